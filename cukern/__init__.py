@@ -1,0 +1,28 @@
+"""cukern: fast CUDA kernels for CuPy arrays, with no deep-learning framework.
+
+    >>> import cupy as cp, cukern
+    >>> x = cp.random.randn(4096, 1000, dtype=cp.float32)
+    >>> y = cukern.softmax(x)
+    >>> print(cukern.explain("softmax", x.shape, x.dtype))
+"""
+
+from __future__ import annotations
+
+from ._device import DeviceSpec
+from ._dispatch import Plan, Variant
+from ._explain import explain
+from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceSpec",
+    "Plan",
+    "Variant",
+    "explain",
+    "log_softmax",
+    "log_softmax_backward",
+    "softmax",
+    "softmax_backward",
+    "__version__",
+]

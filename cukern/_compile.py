@@ -1,0 +1,94 @@
+"""Kernel source assembly, the per-instantiation module cache, and a GPU-free compile check.
+
+Each kernel family lives in ``kernels/<family>.cuh``. :func:`source` inlines its local includes
+(each once), so the text handed to NVRTC contains every line it depends on, and CuPy's on-disk
+cache, keyed by that text, is invalidated by an edit to any kernel file. One
+``cupy.RawModule`` is compiled per (family, instantiation, device) and kept for the process.
+
+:func:`compile_check` compiles name expressions with NVRTC for a given architecture without a
+GPU (CuPy's own compile path asks the driver for the device's architecture, so it calls NVRTC
+through CuPy's bindings directly).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from pathlib import Path
+
+__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "NVRTC_OPTIONS"]
+
+NVRTC_OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_lock = threading.Lock()
+_kernels: dict[tuple, object] = {}
+
+
+def kernel_dir() -> Path:
+    """Where the ``.cuh`` files are: inside the installed package, or the source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cukern: kernel sources not found beside {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def source(family: str) -> str:
+    """The self-contained source of ``kernels/<family>.cuh`` with local includes inlined."""
+    root = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        path = root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"cukern: kernel source {path} not found")
+        text = path.read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return f"// cukern {family}\n" + expand(f"{family}.cuh")
+
+
+def get_kernel(family: str, name: str, device_id: int):
+    """The compiled ``cupy.RawKernel`` for one instantiation on one device (cached)."""
+    key = (family, name, device_id)
+    kern = _kernels.get(key)
+    if kern is not None:
+        return kern
+    import cupy
+
+    with _lock:
+        kern = _kernels.get(key)
+        if kern is None:
+            with cupy.cuda.Device(device_id):
+                module = cupy.RawModule(code=source(family), options=NVRTC_OPTIONS,
+                                        name_expressions=[name])
+                kern = module.get_function(name)
+            _kernels[key] = kern
+    return kern
+
+
+def compile_check(family: str, names, arch: str = "sm_90") -> dict[str, str]:
+    """Compile ``names`` (C++ name expressions from ``kernels/<family>.cuh``) with NVRTC for
+    ``arch`` (``sm_80``, ``sm_90``, ...) without a GPU. Returns name -> mangled symbol; raises
+    ``RuntimeError`` with the compiler log on failure."""
+    from cupy.cuda import nvrtc
+
+    names = list(names)
+    prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+        except nvrtc.NVRTCError as err:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"NVRTC failed for {family} on {arch}: {err}\n{log}") from None
+        return {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,111 @@
+"""Device facts and occupancy.
+
+A :class:`DeviceSpec` is a frozen description of a GPU: enough to plan kernels. It comes from a
+real device (:meth:`DeviceSpec.from_device`) or from a preset (:meth:`DeviceSpec.h100`,
+:meth:`DeviceSpec.a100`) so plans can be inspected on a machine with no GPU.
+
+Occupancy (resident blocks per multiprocessor) is what the planner asks of a device. On a real
+device the CUDA driver answers for the compiled kernel; a preset answers from a model of the
+limits that do not depend on the compiled code:
+
+    blocks = min(max_blocks_per_sm,
+                 max_threads_per_sm // threads,
+                 smem_per_sm // (smem + reserved_smem_per_block))   if smem <= smem_per_block_optin
+    blocks = 0                                                       otherwise
+
+The model ignores registers: cukern's kernels are built for at most 64 registers a thread at
+128 threads and 32 at 1024 (``__launch_bounds__``), where registers do not limit residency.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+__all__ = ["DeviceSpec"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the planner needs to know about a GPU."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sms: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    smem_per_sm: int
+    smem_per_block_optin: int
+    reserved_smem_per_block: int = 1024
+    device_id: int | None = None  # None: a preset, not a live device
+
+    @property
+    def arch(self) -> str:
+        """The NVRTC target, e.g. ``sm_90``."""
+        major, minor = self.compute_capability
+        return f"sm_{major}{minor}"
+
+    @property
+    def has_clusters(self) -> bool:
+        """Thread-block clusters and distributed shared memory (Hopper and newer)."""
+        return self.compute_capability >= (9, 0)
+
+    @classmethod
+    def h100(cls) -> DeviceSpec:
+        """NVIDIA H100 SXM (80 GB HBM3): 132 SMs, 227 KiB of shared memory per block."""
+        return cls("NVIDIA H100 80GB HBM3 (preset)", (9, 0), 132, 2048, 32, 233472, 232448)
+
+    @classmethod
+    def a100(cls) -> DeviceSpec:
+        """NVIDIA A100 SXM: 108 SMs, 163 KiB of shared memory per block."""
+        return cls("NVIDIA A100-SXM4 (preset)", (8, 0), 108, 2048, 32, 167936, 166912)
+
+    @classmethod
+    def from_device(cls, device_id: int | None = None) -> DeviceSpec:
+        """The spec of a live CUDA device (the current one by default)."""
+        return _live_spec(_current_device_id() if device_id is None else int(device_id))
+
+    def model_occupancy(self, threads: int, smem: int) -> int:
+        """Resident blocks per SM from threads and dynamic shared memory (see module doc)."""
+        if threads <= 0 or threads > 1024:
+            return 0
+        if smem > self.smem_per_block_optin:
+            return 0
+        warps_threads = -(-threads // 32) * 32
+        blocks = min(self.max_blocks_per_sm, self.max_threads_per_sm // warps_threads)
+        blocks = min(blocks, self.smem_per_sm // (smem + self.reserved_smem_per_block))
+        return max(blocks, 0)
+
+    def describe(self) -> str:
+        major, minor = self.compute_capability
+        return (
+            f"{self.name}: sm_{major}{minor}, {self.sms} SMs, "
+            f"{self.smem_per_block_optin // 1024} KiB shared memory per block (opt-in)"
+        )
+
+
+def _current_device_id() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+@functools.lru_cache(maxsize=None)
+def _live_spec(device_id: int) -> DeviceSpec:
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    attrs = dev.attributes
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return DeviceSpec(
+        name=name,
+        compute_capability=(attrs["ComputeCapabilityMajor"], attrs["ComputeCapabilityMinor"]),
+        sms=attrs["MultiProcessorCount"],
+        max_threads_per_sm=attrs["MaxThreadsPerMultiProcessor"],
+        max_blocks_per_sm=attrs.get("MaxBlocksPerMultiprocessor", 32),
+        smem_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
+        smem_per_block_optin=attrs["MaxSharedMemoryPerBlockOptin"],
+        reserved_smem_per_block=props.get("reservedSharedMemPerBlock", 1024),
+        device_id=device_id,
+    )

@@ -1,0 +1,288 @@
+"""Pure planners: (op, rows, cols, dtype, device, occupancy) -> Plan.
+
+Nothing here touches a GPU. Occupancy is a function passed in: the CUDA driver's answer for a
+compiled kernel on a live device, or :meth:`DeviceSpec.model_occupancy` for a preset.
+
+The cascade follows OneFlow's tuned softmax (the thresholds and shapes are theirs; DESIGN.md
+section 2), with three departures, each measured in ``benchmarks/``:
+
+* vector width: up to 16 bytes per access (8 halves, 4 floats, 2 doubles) where ``cols``, the
+  pointers and the row strides allow, instead of OneFlow's 2 elements;
+* the block kernel caches the row in its storage type (not float) and opts in to the device's
+  full shared memory per block (227 KiB on Hopper) instead of 48 KiB;
+* rows too long for one block's shared memory are split over a thread-block cluster (Hopper):
+  each block keeps a slice on chip and the partial reductions meet in distributed shared memory.
+  The uncached kernel (which reads the row twice) is left for rows no cluster can hold.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ._device import DeviceSpec
+
+__all__ = ["Plan", "Variant", "plan_rowwise", "OPS"]
+
+WARP_MAX_COLS = 1024  # OneFlow: the warp kernel holds at most 32 values a lane, 32 lanes a row
+WARP_BLOCK_THREADS = 128  # OneFlow: 128 threads per block for the warp kernel
+BLOCK_SIZES = (1024, 512, 256)  # tried, largest first, against the 128-thread occupancy
+UNCACHED_BLOCK = 1024
+CLUSTER_SIZES = (2, 4, 8)  # portable cluster sizes
+CLUSTER_BLOCK = 1024
+WAVES = 32  # OneFlow's GetNumBlocks: at most 32 waves of resident threads
+
+
+class Variant(str, enum.Enum):
+    WARP = "warp"
+    BLOCK_SMEM = "block_smem"
+    CLUSTER = "cluster"
+    BLOCK_UNCACHED = "block_uncached"
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """How an op maps onto a kernel family."""
+
+    family: str  # kernels/<family>.cuh
+    kernel: str  # kernel name prefix in that file
+    algo: int  # template ALGO argument
+    inputs: int  # row-sized inputs that a cached variant keeps on chip
+
+
+OPS: dict[str, OpInfo] = {
+    "softmax": OpInfo("softmax", "softmax", 0, 1),
+    "log_softmax": OpInfo("softmax", "softmax", 1, 1),
+    "softmax_backward": OpInfo("softmax", "softmax_grad", 0, 2),
+    "log_softmax_backward": OpInfo("softmax", "softmax_grad", 1, 2),
+}
+
+CPP_TYPES = {"float16": "cukern::f16", "bfloat16": "cukern::bf16", "float32": "float",
+             "float64": "double"}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One kernel launch, fully decided. Printable, comparable, hashable."""
+
+    op: str
+    variant: Variant
+    dtype: str
+    rows: int
+    cols: int
+    pack_size: int
+    cols_per_thread: int  # warp kernel only (0 otherwise)
+    thread_group_width: int  # warp kernel only (0 otherwise)
+    rows_per_access: int  # warp kernel only (0 otherwise)
+    padding: bool
+    block: tuple[int, int]
+    grid: int
+    smem_bytes: int
+    cluster: int = 1
+    strided: bool = False
+    device: str = ""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1]
+
+    def name_expression(self) -> str:
+        """The C++ name of the kernel instantiation this plan launches."""
+        info = OPS[self.op]
+        t = CPP_TYPES[self.dtype]
+        s = "true" if self.strided else "false"
+        if self.variant is Variant.WARP:
+            pad = "true" if self.padding else "false"
+            return (f"cukern::{info.kernel}_warp<{t}, {info.algo}, {s}, {self.pack_size}, "
+                    f"{self.cols_per_thread}, {self.thread_group_width}, "
+                    f"{self.rows_per_access}, {pad}>")
+        if self.variant is Variant.CLUSTER:
+            return (f"cukern::{info.kernel}_cluster<{t}, {info.algo}, {self.pack_size}, "
+                    f"{self.threads}, {self.cluster}>")
+        return (f"cukern::{info.kernel}_{self.variant.value}<{t}, {info.algo}, {s}, "
+                f"{self.pack_size}, {self.threads}>")
+
+    @property
+    def family(self) -> str:
+        return OPS[self.op].family
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.op} {self.dtype} rows={self.rows} cols={self.cols} on {self.device}",
+            f"  variant            {self.variant.value}",
+            f"  kernel             {self.name_expression()}",
+            f"  pack_size          {self.pack_size} ({self.pack_size * ITEMSIZE[self.dtype]} "
+            f"bytes per access)",
+        ]
+        if self.variant is Variant.WARP:
+            lines += [
+                f"  thread_group_width {self.thread_group_width}",
+                f"  cols_per_thread    {self.cols_per_thread}",
+                f"  rows_per_access    {self.rows_per_access}",
+                f"  padding            {self.padding}",
+            ]
+        if self.variant is Variant.CLUSTER:
+            lines.append(f"  cluster            {self.cluster} blocks per row")
+        lines += [
+            f"  block              {self.block}",
+            f"  grid               {self.grid}",
+            f"  smem_bytes         {self.smem_bytes}",
+            f"  strided            {self.strided}",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# Occupancy query: (candidate plan) -> resident blocks per SM; 0 means it cannot launch.
+Occupancy = Callable[[Plan], int]
+
+
+def model_occupancy(device: DeviceSpec) -> Occupancy:
+    """Occupancy from the device model (threads and shared memory only)."""
+
+    def occ(plan: Plan) -> int:
+        return device.model_occupancy(plan.threads, plan.smem_bytes)
+
+    return occ
+
+
+def num_blocks(device: DeviceSpec, block_threads: int, needed: int) -> int:
+    """OneFlow's GetNumBlocks: enough blocks for the work, at most WAVES waves of them."""
+    limit = device.sms * device.max_threads_per_sm // block_threads * WAVES
+    return max(1, min(needed, limit))
+
+
+def pack_size(dtype: str, cols: int, align_elems: int, strided: bool) -> int:
+    """Elements per vector access: the largest power of two up to 16 bytes that divides cols
+    and the alignment (in elements) of every pointer and row stride."""
+    if strided:
+        return 1
+    p = 16 // ITEMSIZE[dtype]
+    while p > 1 and (cols % p or align_elems % p):
+        p //= 2
+    return p
+
+
+def warp_shape(cols: int, pack: int, rows: int) -> tuple[int, int, int, bool]:
+    """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel."""
+    if cols <= 32 * pack:
+        width = 1
+        while width * pack < cols:
+            width *= 2
+        cpt = pack
+        rpa = 2 if rows % 2 == 0 else 1
+    else:
+        width = 32
+        cpt = pack
+        while 32 * cpt < cols:
+            cpt += pack
+        rpa = 1
+    return width, cpt, rpa, cols != cpt * width
+
+
+def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
+                 occupancy: Occupancy | None = None, *, align_elems: int = 16,
+                 strided: bool = False) -> Plan:
+    """Choose the kernel for a row-wise op over a (rows, cols) view.
+
+    ``align_elems``: the largest power of two (in elements, up to 16) dividing every pointer's
+    address and every row stride; ``strided``: rows or columns are not contiguous, so every
+    access is a single element. ``occupancy`` defaults to the device model.
+    """
+    if op not in OPS:
+        raise ValueError(f"plan: unknown op {op!r}; expected one of {sorted(OPS)}")
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"plan: unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE)}")
+    if rows < 1 or cols < 1:
+        raise ValueError(f"plan: rows and cols must be positive, got rows={rows}, cols={cols}")
+    occ = occupancy or model_occupancy(device)
+    info = OPS[op]
+    item = ITEMSIZE[dtype]
+    pack = pack_size(dtype, cols, align_elems, strided)
+    base = dict(op=op, dtype=dtype, rows=rows, cols=cols, pack_size=pack, strided=strided,
+                device=device.name)
+
+    if cols <= WARP_MAX_COLS:
+        width, cpt, rpa, padding = warp_shape(cols, pack, rows)
+        block = (width, WARP_BLOCK_THREADS // width)
+        groups = -(-rows // rpa)
+        grid = num_blocks(device, WARP_BLOCK_THREADS, -(-groups // block[1]))
+        return Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
+                    rows_per_access=rpa, padding=padding, block=block, grid=grid, smem_bytes=0,
+                    **base)
+
+    no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
+    smem = cols * item * info.inputs
+    candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
+                     **no_warp, **base)
+    occ128 = occ(candidate) if smem <= device.smem_per_block_optin else 0
+    if occ128 > 0:
+        block = 128
+        for threads in BLOCK_SIZES:
+            if occ(_replace(candidate, block=(threads, 1))) == occ128:
+                block = threads
+                break
+        notes = (f"row cached in shared memory as {dtype} ({smem} bytes per block)",)
+        return _replace(candidate, block=(block, 1), grid=num_blocks(device, block, rows),
+                        notes=notes)
+
+    if device.has_clusters and not strided:
+        num_packs = cols // pack
+        for size in CLUSTER_SIZES:
+            slice_smem = -(-num_packs // size) * pack * item * info.inputs
+            if slice_smem > device.smem_per_block_optin:
+                continue
+            cand = Plan(variant=Variant.CLUSTER, block=(CLUSTER_BLOCK, 1), grid=size,
+                        smem_bytes=slice_smem, cluster=size, **no_warp, **base)
+            per_sm = occ(cand)
+            if per_sm <= 0:
+                continue
+            clusters = max(1, min(rows, device.sms * per_sm // size * WAVES))
+            notes = (f"row split over a cluster of {size} blocks, {slice_smem} bytes of shared "
+                     f"memory each",)
+            return _replace(cand, grid=clusters * size, notes=notes)
+
+    notes = ("row too long to keep on chip: read twice from memory",)
+    return Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1),
+                grid=num_blocks(device, UNCACHED_BLOCK, rows), smem_bytes=0, notes=notes,
+                **no_warp, **base)
+
+
+def _replace(plan: Plan, **changes) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, **changes)
+
+
+def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
+    """Every kernel instantiation ``plan_rowwise`` can produce for ``op`` and ``dtype`` on a
+    device of this architecture, whatever the shape, alignment or occupancy. Used by the
+    compile check and ``cukern precompile``."""
+    names: set[str] = set()
+    packs = sorted({pack_size(dtype, c, a, False) for c in (1, 2, 4, 8, 16) for a in (16,)})
+    layouts = [(p, False) for p in packs] + [(1, True)]
+    for pack, strided in layouts:
+        base = dict(op=op, dtype=dtype, rows=1, cols=1, pack_size=pack, strided=strided,
+                    device=device.name, grid=1)
+        # Warp kernel: every cols up to the limit that this pack size divides, both parities.
+        for cols in range(pack, WARP_MAX_COLS + 1, pack):
+            for rows in (1, 2):
+                width, cpt, rpa, padding = warp_shape(cols, pack, rows)
+                names.add(Plan(variant=Variant.WARP, cols_per_thread=cpt,
+                               thread_group_width=width, rows_per_access=rpa, padding=padding,
+                               block=(width, WARP_BLOCK_THREADS // width), smem_bytes=0,
+                               **base).name_expression())
+        no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
+        for threads in (128,) + BLOCK_SIZES:
+            names.add(Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), smem_bytes=0,
+                           **no_warp, **base).name_expression())
+        names.add(Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), smem_bytes=0,
+                       **no_warp, **base).name_expression())
+        if device.has_clusters and not strided:
+            for size in CLUSTER_SIZES:
+                names.add(Plan(variant=Variant.CLUSTER, block=(CLUSTER_BLOCK, 1), smem_bytes=0,
+                               cluster=size, **no_warp, **base).name_expression())
+    return names

@@ -1,0 +1,78 @@
+"""``cukern.explain``: the plan the dispatcher would choose, without running anything."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _dispatch
+from ._device import DeviceSpec
+
+__all__ = ["explain", "dtype_name"]
+
+_DTYPE_ALIASES = {"float16": "float16", "half": "float16", "f2": "float16",
+                  "bfloat16": "bfloat16", "bf16": "bfloat16",
+                  "float32": "float32", "float": "float32", "f4": "float32",
+                  "float64": "float64", "double": "float64", "f8": "float64"}
+
+
+def dtype_name(dtype) -> str:
+    """Normalise a dtype given as a string, NumPy/CuPy dtype or type to cukern's name."""
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[dtype.lower()]
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        raise TypeError(f"explain: dtype {dtype!r} is not a dtype") from None
+    if name not in _dispatch.ITEMSIZE:
+        raise TypeError(f"explain: dtype {name} is not supported; expected float16, bfloat16, "
+                        f"float32 or float64")
+    return name
+
+
+def explain(op: str, shape, dtype, axis: int = -1, device=None) -> _dispatch.Plan:
+    """The plan ``op`` would run for a C-contiguous array of ``shape`` and ``dtype``.
+
+    ``device``: a :class:`DeviceSpec` (plans from its occupancy model, no GPU needed), a CUDA
+    device id (the driver's occupancy for the compiled kernels), or None: the current GPU when
+    one is visible, else ``DeviceSpec.h100()``. ``print(plan)`` shows it readably.
+    """
+    if op not in _dispatch.OPS:
+        raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(_dispatch.OPS)}")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
+        raise ValueError(f"explain: shape must be non-negative ints, got {shape}")
+    name = dtype_name(dtype)
+    nd = max(len(shape), 1)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -nd <= axis < nd:
+        raise ValueError(f"explain: axis {axis!r} is out of range for shape {shape}")
+    axis = int(axis) % nd
+    full = shape or (1,)
+    cols = full[axis]
+    rows = math.prod(full[:axis]) * math.prod(full[axis + 1:])
+    if rows == 0 or cols == 0:
+        raise ValueError(f"explain: shape {shape} is empty; no kernel runs for it")
+    strided = math.prod(full[axis + 1:]) > 1
+    spec, occupancy = _resolve(device)
+    return _dispatch.plan_rowwise(op, rows, cols, name, spec, occupancy, strided=strided)
+
+
+def _resolve(device):
+    if isinstance(device, DeviceSpec):
+        if device.device_id is None:
+            return device, None
+        device = device.device_id
+    if device is None:
+        try:
+            import cupy
+
+            device = cupy.cuda.runtime.getDevice()
+        except Exception:
+            return DeviceSpec.h100(), None
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+        raise TypeError(f"explain: device must be a DeviceSpec, a device id or None, "
+                        f"got {type(device).__name__}")
+    from .ops import _common
+
+    return _common.device_spec(int(device)), _common.driver_occupancy(int(device))

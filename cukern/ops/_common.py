@@ -1,0 +1,209 @@
+"""What every op shares: accepting arrays, validating them, describing their memory layout as
+(rows, cols) views, planning once per layout, and launching on the array's device and stream."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - exercised only where CuPy is missing
+    cp = None
+
+from .. import _compile, _device, _dispatch
+
+try:
+    from ml_dtypes import bfloat16 as _bf16
+except ImportError:  # pragma: no cover
+    _bf16 = None
+
+DTYPE_NAMES: dict[np.dtype, str] = {
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+}
+if _bf16 is not None:
+    DTYPE_NAMES[np.dtype(_bf16)] = "bfloat16"
+
+_KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_ROCM = 2, 13, 10
+
+
+class Adapted:
+    """A CuPy view of a user's array and the means to return results as the user's kind."""
+
+    __slots__ = ("array", "kind")
+
+    def __init__(self, array, kind: str):
+        self.array = array
+        self.kind = kind
+
+    def wrap(self, result):
+        if self.kind == "cupy":
+            return result
+        if self.kind == "torch":
+            import torch
+
+            return torch.from_dlpack(result)
+        if self.kind == "jax":
+            import jax.numpy as jnp
+
+            return jnp.from_dlpack(result)
+        return result
+
+
+def _require_cupy(fn: str) -> None:
+    if cp is None:
+        raise RuntimeError(
+            f"{fn}: CuPy is not installed; install cukern[cuda12] or cukern[cuda13]")
+
+
+def adapt(fn: str, arg: str, x) -> Adapted:
+    """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe)."""
+    _require_cupy(fn)
+    if isinstance(x, cp.ndarray):
+        return Adapted(x, "cupy")
+    if isinstance(x, np.ndarray) or np.isscalar(x) or isinstance(x, (list, tuple)):
+        raise TypeError(
+            f"{fn}: {arg} must be a CuPy array or a GPU array with __dlpack__, got "
+            f"{type(x).__module__}.{type(x).__qualname__} (host data: move it to the GPU "
+            f"with cupy.asarray first)")
+    if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+        raise TypeError(
+            f"{fn}: {arg} must be a CuPy array or a GPU array with __dlpack__, got "
+            f"{type(x).__module__}.{type(x).__qualname__}")
+    dev_type, _ = x.__dlpack_device__()
+    if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+        raise TypeError(
+            f"{fn}: {arg} lives on DLPack device type {int(dev_type)}, not a CUDA GPU; move it "
+            f"to the GPU first")
+    module = type(x).__module__.split(".")[0]
+    kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
+    return Adapted(cp.from_dlpack(x), kind)
+
+
+def dtype_name(fn: str, arg: str, a) -> str:
+    name = DTYPE_NAMES.get(a.dtype)
+    if name is None:
+        raise TypeError(
+            f"{fn}: {arg} has dtype {a.dtype}; expected float16, bfloat16, float32 or float64")
+    return name
+
+
+def normalize_axis(fn: str, axis, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{fn}: axis must be an int, got {type(axis).__name__}")
+    nd = max(ndim, 1)
+    if not -nd <= axis < nd:
+        raise ValueError(f"{fn}: axis {axis} is out of range for an array of {ndim} dimensions")
+    return int(axis) % nd
+
+
+def check_same(fn: str, ref_name: str, ref, arg: str, other) -> None:
+    """`other` must match `ref` in shape, dtype and device."""
+    if other.shape != ref.shape:
+        raise ValueError(f"{fn}: {arg} has shape {other.shape}, expected {ref.shape} "
+                         f"(the shape of {ref_name})")
+    if other.dtype != ref.dtype:
+        raise TypeError(f"{fn}: {arg} has dtype {other.dtype}, expected {ref.dtype} "
+                        f"(the dtype of {ref_name})")
+    if other.device.id != ref.device.id:
+        raise ValueError(f"{fn}: {arg} is on GPU {other.device.id} but {ref_name} is on GPU "
+                         f"{ref.device.id}")
+
+
+def output(fn: str, like: Adapted, out):
+    """The output array: a new C-contiguous array, or ``out`` after checking it."""
+    x = like.array
+    if out is None:
+        return cp.empty(x.shape, x.dtype)
+    if like.kind == "jax":
+        raise TypeError(f"{fn}: out= is not supported for JAX arrays (they are immutable)")
+    o = adapt(fn, "out", out).array
+    check_same(fn, "the input", x, "out", o)
+    return o
+
+
+def layout(a, axis: int):
+    """Describe ``a`` reduced along ``axis`` as a (rows, cols) view.
+
+    Returns (rows, cols, inner, s_outer, s_inner, s_col) in elements, where element
+    (o, c, i) is at o * s_outer + c * s_col + i * s_inner and rows = outer * inner, or None when
+    the dimensions before or after ``axis`` cannot be merged into one stride each.
+    """
+    shape = a.shape if a.ndim else (1,)
+    item = a.itemsize
+    strides = tuple(s // item for s in a.strides) if a.ndim else (1,)
+    cols = shape[axis]
+    s_col = strides[axis] if cols > 1 else 1
+    before = _merge(shape[:axis], strides[:axis])
+    after = _merge(shape[axis + 1:], strides[axis + 1:])
+    if before is None or after is None:
+        return None
+    (outer, s_outer), (inner, s_inner) = before, after
+    return outer * inner, cols, inner, s_outer, s_inner, s_col
+
+
+def _merge(shape, strides):
+    """(count, stride) of dims that walk memory with a single stride, or None."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if not dims:
+        return 1, 0
+    count, stride = dims[-1]
+    for n, s in reversed(dims[:-1]):
+        if s != stride * count:
+            return None
+        count *= n
+    return count, stride
+
+
+def align_elems(item: int, pointers, strides) -> int:
+    """Largest power of two (elements, up to 16) dividing every pointer and row stride."""
+    a = 16
+    for p in pointers:
+        while a > 1 and p % (a * item):
+            a //= 2
+    for s in strides:
+        while a > 1 and s % a:
+            a //= 2
+    return a
+
+
+def device_spec(device_id: int) -> _device.DeviceSpec:
+    return _device._live_spec(device_id)
+
+
+def driver_occupancy(device_id: int):
+    """Occupancy from the CUDA driver for the compiled candidate kernel."""
+    from cupy_backends.cuda.api import driver
+
+    spec = device_spec(device_id)
+
+    def occ(plan: _dispatch.Plan) -> int:
+        if plan.smem_bytes > spec.smem_per_block_optin:
+            return 0
+        kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
+        if plan.smem_bytes > 48 * 1024:
+            kern.max_dynamic_shared_size_bytes = spec.smem_per_block_optin
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kern.kernel.ptr, plan.threads, plan.smem_bytes)
+
+    return occ
+
+
+class Launch:
+    """A planned, compiled kernel with its fixed arguments: the cached result of planning."""
+
+    __slots__ = ("plan", "kernel", "grid", "block", "smem", "tail")
+
+    def __init__(self, plan: _dispatch.Plan, device_id: int, tail: tuple):
+        self.plan = plan
+        self.kernel = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
+        if plan.smem_bytes > 48 * 1024:
+            self.kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
+        self.grid = (plan.grid,)
+        self.block = plan.block
+        self.smem = plan.smem_bytes
+        self.tail = tail
+
+    def __call__(self, *arrays) -> None:
+        self.kernel(self.grid, self.block, arrays + self.tail, shared_mem=self.smem)

@@ -1,0 +1,136 @@
+"""Softmax and log-softmax, forward and backward, along any axis of a CuPy (or DLPack) array."""
+
+from __future__ import annotations
+
+from . import _common as c
+from .. import _dispatch
+
+__all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]
+
+_launches: dict[tuple, c.Launch] = {}
+
+
+def softmax(x, axis: int = -1, *, out=None):
+    """Softmax along ``axis``: ``y = exp(x - max(x)) / sum(exp(x - max(x)))``.
+
+    Parameters
+    ----------
+    x : cupy.ndarray or a GPU array with ``__dlpack__`` (PyTorch, JAX)
+        float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or float64, any shape and strides.
+        Half-precision inputs are computed in float32; float and double in their own type.
+    axis : int
+        The axis to normalise over (default: the last).
+    out : array, optional
+        Where to write the result: same shape, dtype and device as ``x``.
+
+    Returns
+    -------
+    An array of ``x``'s shape and dtype, of the same kind as ``x`` (CuPy in, CuPy out; a
+    PyTorch tensor or JAX array comes back as one, shared through DLPack without a copy).
+
+    Notes
+    -----
+    Runs on ``x``'s GPU and CuPy's current stream (so CUDA-graph capture works). A row of all
+    ``-inf`` gives NaN, as in NumPy and PyTorch; a NaN anywhere in a row gives a row of NaN.
+    The last axis of a contiguous array (or rows with any row stride, as in ``x[:, :k]``) is
+    the fast path. Another axis, or columns that are not adjacent in memory, is read in place
+    with single-element accesses: correct, but without vector loads it moves memory in 32-byte
+    sectors for 2- to 8-byte elements, so expect a few times the time of the last axis. Views
+    whose other dimensions cannot be described by one stride each are copied first.
+    """
+    return _run("softmax", ("x",), (x,), axis, out)
+
+
+def log_softmax(x, axis: int = -1, *, out=None):
+    """Log-softmax along ``axis``: ``y = (x - max(x)) - log(sum(exp(x - max(x))))``.
+
+    Same arguments, dtypes, return kind and notes as :func:`softmax`.
+    """
+    return _run("log_softmax", ("x",), (x,), axis, out)
+
+
+def softmax_backward(y, dy, axis: int = -1, *, out=None):
+    """Gradient of softmax with respect to its input: ``dx = (dy - sum(dy * y)) * y``.
+
+    ``y`` is the softmax output and ``dy`` the gradient with respect to it; both of one shape,
+    dtype and device. Returns ``dx`` like :func:`softmax` returns ``y``.
+    """
+    return _run("softmax_backward", ("y", "dy"), (y, dy), axis, out)
+
+
+def log_softmax_backward(y, dy, axis: int = -1, *, out=None):
+    """Gradient of log-softmax with respect to its input: ``dx = dy - exp(y) * sum(dy)``.
+
+    ``y`` is the log-softmax output and ``dy`` the gradient with respect to it.
+    """
+    return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)
+
+
+def _run(op: str, names: tuple, inputs: tuple, axis, out):
+    adapted = [c.adapt(op, n, a) for n, a in zip(names, inputs)]
+    arrays = [a.array for a in adapted]
+    first = arrays[0]
+    dtype = c.dtype_name(op, names[0], first)
+    for n, a in zip(names[1:], arrays[1:]):
+        c.check_same(op, names[0], first, n, a)
+    ax = c.normalize_axis(op, axis, first.ndim)
+    o = c.output(op, adapted[0], out)
+    if first.size:
+        _launch(op, dtype, ax, arrays, o)
+    return out if out is not None else adapted[0].wrap(o)
+
+
+def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> None:
+    dev = arrays[0].device.id
+    ptr_bits = o.data.ptr
+    for a in arrays:
+        ptr_bits |= a.data.ptr
+    key = (op, dev, axis, dtype, arrays[0].shape, tuple(a.strides for a in arrays), o.strides,
+           ptr_bits & 15)
+    launch = _launches.get(key)
+    if launch is None:
+        layouts = [c.layout(a, axis) for a in arrays]
+        out_layout = c.layout(o, axis)
+        if any(lay is None for lay in layouts) or out_layout is None:
+            _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout)
+            return
+        launch = _launches[key] = _plan_launch(op, dtype, dev, arrays, o, layouts + [out_layout])
+    if dev == c.cp.cuda.runtime.getDevice():
+        launch(*arrays, o)
+    else:
+        with c.cp.cuda.Device(dev):
+            launch(*arrays, o)
+
+
+def _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout) -> None:
+    """Views that no single stride per side describes: run on contiguous copies."""
+    arrays = [c.cp.ascontiguousarray(a) if lay is None else a for a, lay in zip(arrays, layouts)]
+    if out_layout is None:
+        tmp = c.cp.empty(o.shape, o.dtype)
+        _launch(op, dtype, axis, arrays, tmp)
+        o[...] = tmp
+    else:
+        _launch(op, dtype, axis, arrays, o)
+
+
+def _plan_launch(op, dtype, dev, arrays, o, layouts) -> c.Launch:
+    import numpy as np
+
+    rows, cols, inner = layouts[0][:3]
+    strided = any(lay[2] != 1 or lay[5] != 1 for lay in layouts)
+    align = c.align_elems(arrays[0].itemsize, [a.data.ptr for a in arrays] + [o.data.ptr],
+                          [lay[3] for lay in layouts] if rows > 1 else [])
+    plan = _dispatch.plan_rowwise(op, rows, cols, dtype, c.device_spec(dev),
+                                  c.driver_occupancy(dev), align_elems=align, strided=strided)
+    tail = [np.int64(rows), np.int32(cols), np.int64(inner)]
+    for lay in layouts:
+        tail += [np.int64(lay[3]), np.int64(lay[4]), np.int64(lay[5])]
+    return c.Launch(plan, dev, tuple(tail))
+
+
+def last_plan(op: str):
+    """The most recently cached plan for ``op`` (for tests and debugging)."""
+    for key in reversed(list(_launches)):
+        if key[0] == op:
+            return _launches[key].plan
+    return None

@@ -1,0 +1,44 @@
+"""Shared fixtures. GPU tests carry the ``gpu`` marker and skip, with the reason, where no CUDA
+device is visible; everything else runs on any machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import cupy
+    except ImportError as err:
+        return f"CuPy is not importable ({err})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # no driver, or a driver too old
+        return f"no CUDA device visible ({type(err).__name__}: {err})"
+    return None if n > 0 else "no CUDA device visible (device count 0)"
+
+
+GPU_REASON = _gpu_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test: {GPU_REASON}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Relative error ||out - ref|| / ||ref|| allowed per dtype (float64 NumPy reference).
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-12}
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data per test (seeded from the test id, printed on failure)."""
+    seed = abs(hash(request.node.nodeid)) % (2**32) ^ np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
