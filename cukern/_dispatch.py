@@ -83,6 +83,7 @@ class Plan:
     cluster: int = 1
     strided: bool = False
     device: str = ""
+    extra: tuple[str, ...] = ()  # op-specific template arguments, appended to the kernel's
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -96,14 +97,14 @@ class Plan:
         s = "true" if self.strided else "false"
         if self.variant is Variant.WARP:
             pad = "true" if self.padding else "false"
-            return (f"cukern::{info.kernel}_warp<{t}, {info.algo}, {s}, {self.pack_size}, "
-                    f"{self.cols_per_thread}, {self.thread_group_width}, "
-                    f"{self.rows_per_access}, {pad}>")
-        if self.variant is Variant.CLUSTER:
-            return (f"cukern::{info.kernel}_cluster<{t}, {info.algo}, {self.pack_size}, "
-                    f"{self.threads}, {self.cluster}>")
-        return (f"cukern::{info.kernel}_{self.variant.value}<{t}, {info.algo}, {s}, "
-                f"{self.pack_size}, {self.threads}>")
+            args = [t, info.algo, s, self.pack_size, self.cols_per_thread,
+                    self.thread_group_width, self.rows_per_access, pad]
+        elif self.variant is Variant.CLUSTER:
+            args = [t, info.algo, self.pack_size, self.threads, self.cluster]
+        else:
+            args = [t, info.algo, s, self.pack_size, self.threads]
+        args += list(self.extra)
+        return f"cukern::{info.kernel}_{self.variant.value}<{', '.join(map(str, args))}>"
 
     @property
     def family(self) -> str:
@@ -185,12 +186,13 @@ def warp_shape(cols: int, pack: int, rows: int) -> tuple[int, int, int, bool]:
 
 def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
                  occupancy: Occupancy | None = None, *, align_elems: int = 16,
-                 strided: bool = False) -> Plan:
+                 strided: bool = False, extra: tuple[str, ...] = ()) -> Plan:
     """Choose the kernel for a row-wise op over a (rows, cols) view.
 
     ``align_elems``: the largest power of two (in elements, up to 16) dividing every pointer's
     address and every row stride; ``strided``: rows or columns are not contiguous, so every
-    access is a single element. ``occupancy`` defaults to the device model.
+    access is a single element. ``occupancy`` defaults to the device model. ``extra``: template
+    arguments an op appends to the kernel's (fused-functor switches, for example).
     """
     if op not in OPS:
         raise ValueError(f"plan: unknown op {op!r}; expected one of {sorted(OPS)}")
@@ -203,7 +205,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
     item = ITEMSIZE[dtype]
     pack = pack_size(dtype, cols, align_elems, strided)
     base = dict(op=op, dtype=dtype, rows=rows, cols=cols, pack_size=pack, strided=strided,
-                device=device.name)
+                device=device.name, extra=tuple(extra))
 
     if cols <= WARP_MAX_COLS:
         width, cpt, rpa, padding = warp_shape(cols, pack, rows)
