@@ -17,7 +17,7 @@ import re
 import threading
 from pathlib import Path
 
-__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "NVRTC_OPTIONS"]
+__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "warm_cache", "NVRTC_OPTIONS"]
 
 NVRTC_OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -92,3 +92,32 @@ def compile_check(family: str, names, arch: str = "sm_90") -> dict[str, str]:
         return {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _warm_one(item) -> str | None:
+    family, name, device_id = item
+    try:
+        get_kernel(family, name, device_id)
+    except Exception as err:  # reported to the caller, who decides
+        return f"{name}: {err}"
+    return None
+
+
+def warm_cache(items, device_id: int = 0, processes: int | None = None, progress=None) -> list:
+    """Compile (family, name) pairs into CuPy's on-disk cache using several processes, so later
+    first calls only load a cubin. Returns the error messages (empty when all compiled)."""
+    import multiprocessing as mp
+    import os
+
+    todo = [(f, n, device_id) for f, n in items]
+    if not todo:
+        return []
+    processes = processes or max(1, min(len(todo), (os.cpu_count() or 2)))
+    errors = []
+    with mp.get_context("spawn").Pool(processes) as pool:
+        for err in pool.imap_unordered(_warm_one, todo, chunksize=4):
+            if err:
+                errors.append(err)
+            if progress:
+                progress(1)
+    return errors

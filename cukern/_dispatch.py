@@ -32,6 +32,7 @@ UNCACHED_BLOCK = 1024
 CLUSTER_SIZES = (2, 4, 8)  # portable cluster sizes
 CLUSTER_BLOCK = 1024
 WAVES = 32  # OneFlow's GetNumBlocks: at most 32 waves of resident threads
+STATIC_SMEM = 1024  # kept back from the opt-in limit for the kernels' static shared memory
 
 
 class Variant(str, enum.Enum):
@@ -150,6 +151,11 @@ def model_occupancy(device: DeviceSpec) -> Occupancy:
     return occ
 
 
+def max_dynamic_smem(device: DeviceSpec) -> int:
+    """Dynamic shared memory a block may ask for: the opt-in limit less STATIC_SMEM."""
+    return device.smem_per_block_optin - STATIC_SMEM
+
+
 def num_blocks(device: DeviceSpec, block_threads: int, needed: int) -> int:
     """OneFlow's GetNumBlocks: enough blocks for the work, at most WAVES waves of them."""
     limit = device.sms * device.max_threads_per_sm // block_threads * WAVES
@@ -220,7 +226,8 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
     smem = cols * item * info.inputs
     candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
                      **no_warp, **base)
-    occ128 = occ(candidate) if smem <= device.smem_per_block_optin else 0
+    smem_limit = max_dynamic_smem(device)
+    occ128 = occ(candidate) if smem <= smem_limit else 0
     if occ128 > 0:
         block = 128
         for threads in BLOCK_SIZES:
@@ -235,7 +242,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         num_packs = cols // pack
         for size in CLUSTER_SIZES:
             slice_smem = -(-num_packs // size) * pack * item * info.inputs
-            if slice_smem > device.smem_per_block_optin:
+            if slice_smem > smem_limit:
                 continue
             cand = Plan(variant=Variant.CLUSTER, block=(CLUSTER_BLOCK, 1), grid=size,
                         smem_bytes=slice_smem, cluster=size, **no_warp, **base)

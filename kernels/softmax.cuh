@@ -186,6 +186,7 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
   }
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // Packs [p0, p1) of the row that cluster rank `rank` of CLUSTER owns.
 __device__ __forceinline__ void cluster_slice(int num_packs, int cluster, unsigned rank, int& p0,
                                               int& p1) {
@@ -257,6 +258,8 @@ softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_A
     }
   }
 }
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Backward: dx from y and dy (softmax: dx = (dy - sum(dy * y)) * y;
 // log-softmax: dx = dy - exp(y) * sum(dy)).
@@ -409,6 +412,7 @@ softmax_grad_block_uncached(const T* y, const T* dy, T* dx, i64 rows, int cols, 
   }
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 template <typename C> struct MergeSum {
   __device__ void identity(C& a, C& b) const { a = C(0); b = C(0); }
   __device__ void operator()(C& a, C& b, C oa, C ob) const { a += oa; b += ob; }
@@ -449,6 +453,7 @@ softmax_grad_cluster(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inn
     }
   }
 }
+#endif
 
 #undef CUKERN_LAYOUT
 #undef CUKERN_LAYOUT_ARGS

@@ -42,3 +42,20 @@ def rng(request):
     seed = abs(hash(request.node.nodeid)) % (2**32) ^ np.random.SeedSequence().entropy % (2**32)
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def warm_kernels():
+    """Compile every kernel instantiation the planner can reach on this GPU, in parallel, into
+    CuPy's on-disk cache before the GPU tests time out one compile after another. It doubles as
+    the check that each of them compiles and loads on the device."""
+    if GPU_REASON is not None:
+        pytest.skip(f"GPU test: {GPU_REASON}")
+    from cukern import _compile, _dispatch
+    from cukern._device import DeviceSpec
+
+    spec = DeviceSpec.from_device()
+    names = sorted({(_dispatch.OPS[op].family, n) for op in _dispatch.OPS for dt in DTYPES
+                    for n in _dispatch.reachable_plans(op, dt, spec)})
+    errors = _compile.warm_cache(names, spec.device_id)
+    assert not errors, errors[:3]

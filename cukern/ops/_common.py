@@ -120,7 +120,20 @@ def output(fn: str, like: Adapted, out):
         raise TypeError(f"{fn}: out= is not supported for JAX arrays (they are immutable)")
     o = adapt(fn, "out", out).array
     check_same(fn, "the input", x, "out", o)
+    if any(s == 0 and n > 1 for s, n in zip(o.strides, o.shape)):
+        raise ValueError(f"{fn}: out has overlapping elements (strides {o.strides}); it must "
+                         f"be writable element by element")
     return o
+
+
+def check_aliasing(fn: str, inputs, o) -> None:
+    """``out`` may be an input itself (in place) but may not overlap one any other way."""
+    for a in inputs:
+        if a.data.ptr == o.data.ptr and a.strides == o.strides:
+            continue
+        if cp.may_share_memory(a, o):
+            raise ValueError(f"{fn}: out overlaps an input without being that input; pass a "
+                             f"separate array or the input itself")
 
 
 def layout(a, axis: int):
@@ -179,15 +192,24 @@ def driver_occupancy(device_id: int):
     spec = device_spec(device_id)
 
     def occ(plan: _dispatch.Plan) -> int:
-        if plan.smem_bytes > spec.smem_per_block_optin:
+        kern = kernel(plan, device_id)
+        if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
             return 0
-        kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
-        if plan.smem_bytes > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = spec.smem_per_block_optin
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kern.kernel.ptr, plan.threads, plan.smem_bytes)
 
     return occ
+
+
+def kernel(plan: _dispatch.Plan, device_id: int):
+    """The compiled kernel of a plan, allowed all the dynamic shared memory the device has
+    beside the kernel's static shared memory (set once; plans of different sizes share it)."""
+    kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
+    if plan.smem_bytes:
+        limit = device_spec(device_id).smem_per_block_optin - kern.shared_size_bytes
+        if kern.max_dynamic_shared_size_bytes != limit:
+            kern.max_dynamic_shared_size_bytes = limit
+    return kern
 
 
 class Launch:
@@ -197,9 +219,7 @@ class Launch:
 
     def __init__(self, plan: _dispatch.Plan, device_id: int, tail: tuple):
         self.plan = plan
-        self.kernel = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
-        if plan.smem_bytes > 48 * 1024:
-            self.kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
+        self.kernel = kernel(plan, device_id)
         self.grid = (plan.grid,)
         self.block = plan.block
         self.smem = plan.smem_bytes

@@ -21,7 +21,8 @@ def softmax(x, axis: int = -1, *, out=None):
     axis : int
         The axis to normalise over (default: the last).
     out : array, optional
-        Where to write the result: same shape, dtype and device as ``x``.
+        Where to write the result: same shape, dtype and device as ``x``, any strides. It may
+        be ``x`` itself (in place); any other overlap with ``x`` is refused.
 
     Returns
     -------
@@ -75,6 +76,8 @@ def _run(op: str, names: tuple, inputs: tuple, axis, out):
         c.check_same(op, names[0], first, n, a)
     ax = c.normalize_axis(op, axis, first.ndim)
     o = c.output(op, adapted[0], out)
+    if out is not None:
+        c.check_aliasing(op, arrays, o)
     if first.size:
         _launch(op, dtype, ax, arrays, o)
     return out if out is not None else adapted[0].wrap(o)

@@ -1,0 +1,266 @@
+"""Softmax family tests that need no GPU: planning, NVRTC compilation, references, layouts."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+
+import numpy as np
+import pytest
+
+import cukern
+from cukern import _compile, _dispatch, reference
+from cukern._device import DeviceSpec
+from cukern._dispatch import Variant, plan_rowwise
+from cukern.ops import _common
+
+H100 = DeviceSpec.h100()
+A100 = DeviceSpec.a100()
+FWD = ("softmax", "log_softmax")
+BWD = ("softmax_backward", "log_softmax_backward")
+ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+# ---------------------------------------------------------------------------------------------
+# Planner: the documented rules, one shape at a time.
+
+# (cols, rows, dtype) -> (pack, width, cols_per_thread, rows_per_access, padding)
+WARP_TABLE = [
+    (1, 8, "float32", 1, 1, 1, 2, False),
+    (1, 7, "float32", 1, 1, 1, 1, False),
+    (2, 8, "float32", 2, 1, 2, 2, False),
+    (31, 10, "float16", 1, 32, 1, 2, True),
+    (32, 10, "float16", 8, 4, 8, 2, False),
+    (32, 9, "float32", 4, 8, 4, 1, False),
+    (33, 9, "float32", 1, 32, 2, 1, True),
+    (64, 4, "float32", 4, 16, 4, 2, False),
+    (64, 4, "float16", 8, 8, 8, 2, False),
+    (129, 4, "float32", 1, 32, 5, 1, True),
+    (256, 4, "float16", 8, 32, 8, 2, False),
+    (264, 4, "float16", 8, 32, 16, 1, True),
+    (1000, 49152, "float16", 8, 32, 32, 1, True),
+    (1023, 3, "float32", 1, 32, 32, 1, True),
+    (1024, 3, "float32", 4, 32, 32, 1, False),
+    (1024, 3, "float64", 2, 32, 32, 1, False),
+    (1024, 3, "bfloat16", 8, 32, 32, 1, False),
+]
+
+
+@pytest.mark.parametrize("op", FWD + BWD)
+@pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
+def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
+    p = plan_rowwise(op, rows, cols, dtype, H100)
+    assert p.variant is Variant.WARP
+    assert (p.pack_size, p.thread_group_width, p.cols_per_thread, p.rows_per_access,
+            p.padding) == (pack, width, cpt, rpa, padding)
+    assert p.block == (width, 128 // width)
+    # every column is covered exactly once by (pack id, lane)
+    assert cpt * width >= cols and (cpt - pack) * width < cols or cols <= pack * width
+    assert p.smem_bytes == 0
+
+
+def test_pack_respects_alignment_and_stride():
+    assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=16).pack_size == 8
+    assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=4).pack_size == 4
+    assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=1).pack_size == 1
+    assert plan_rowwise("softmax", 8, 62, "float16", H100).pack_size == 2
+    assert plan_rowwise("softmax", 8, 64, "float16", H100, strided=True).pack_size == 1
+
+
+def test_grid_is_one_flow_get_num_blocks():
+    p = plan_rowwise("softmax", 10**7, 64, "float32", H100)
+    # 128 threads per block: at most 132 SMs * 2048 / 128 * 32 waves
+    assert p.grid == 132 * 2048 // 128 * 32
+    p = plan_rowwise("softmax", 5, 64, "float32", H100)
+    assert p.grid == 1  # 5 rows, one per group of 16 lanes, 8 groups a block
+    p = plan_rowwise("softmax", 3, 4096, "float32", H100)
+    assert p.grid == 3
+
+
+def _smem_boundary(op, dtype, device):
+    """Largest cols (a multiple of the widest pack) whose row(s) fit one block's shared memory."""
+    inputs = _dispatch.OPS[op].inputs
+    pack = 16 // ITEM[dtype]
+    limit = device.smem_per_block_optin - _dispatch.STATIC_SMEM
+    return limit // (ITEM[dtype] * inputs) // pack * pack
+
+
+@pytest.mark.parametrize("op", FWD + BWD)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_block_smem_boundary(op, dtype):
+    edge = _smem_boundary(op, dtype, H100)
+    inside = plan_rowwise(op, 1000, edge, dtype, H100)
+    assert inside.variant is Variant.BLOCK_SMEM
+    assert inside.smem_bytes == edge * ITEM[dtype] * _dispatch.OPS[op].inputs
+    assert inside.smem_bytes <= _dispatch.max_dynamic_smem(H100)
+    below = plan_rowwise(op, 1000, edge - 1, dtype, H100)
+    assert below.variant is Variant.BLOCK_SMEM
+    above = plan_rowwise(op, 1000, edge + _dispatch.pack_size(dtype, edge, 16, False), dtype,
+                         H100)
+    assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
+    assert above.cluster == 2
+    # Ampere has no clusters: the same row is read twice from memory
+    a_edge = _smem_boundary(op, dtype, A100)
+    assert plan_rowwise(op, 1000, a_edge, dtype, A100).variant is Variant.BLOCK_SMEM
+    assert plan_rowwise(op, 1000, a_edge + 8, dtype, A100).variant is Variant.BLOCK_UNCACHED
+
+
+def test_block_size_follows_occupancy_rule():
+    # Shared memory limits residency: 1024 threads keep the same number of blocks.
+    p = plan_rowwise("softmax", 4096, 32768, "float32", H100)  # 128 KiB per block: 1 per SM
+    assert p.variant is Variant.BLOCK_SMEM and p.block == (1024, 1)
+    # Threads limit residency: 128 threads give 16 blocks, no larger block matches it.
+    p = plan_rowwise("softmax", 4096, 2048, "float32", H100)
+    assert p.block == (128, 1)
+
+    # A driver that reports 0 blocks for anything makes the block kernel unusable.
+    def none(plan):
+        return 0
+
+    p = plan_rowwise("softmax", 4096, 2048, "float32", H100, none)
+    assert p.variant is Variant.BLOCK_UNCACHED and p.block == (1024, 1)
+
+
+def test_cluster_sizes_and_uncached_fallback():
+    p = plan_rowwise("softmax", 128, 262144, "float32", H100)  # 1 MiB row
+    assert p.variant is Variant.CLUSTER and p.cluster == 8
+    assert p.smem_bytes == 262144 * 4 // 8
+    assert p.grid % p.cluster == 0
+    p = plan_rowwise("softmax", 8, 10**6, "float32", H100)  # 4 MB row: no cluster holds it
+    assert p.variant is Variant.BLOCK_UNCACHED
+    p = plan_rowwise("softmax", 8, 65536, "float32", H100, strided=True)
+    assert p.variant is Variant.BLOCK_UNCACHED  # clusters need contiguous rows
+
+
+def test_plan_is_printable_and_hashable():
+    p = cukern.explain("softmax", (49152, 1000), "float16", device=H100)
+    text = str(p)
+    assert "warp" in text and "cukern::softmax_warp<cukern::f16" in text
+    assert p == cukern.explain("softmax", (49152, 1000), np.float16, device=H100)
+    assert len({p, cukern.explain("softmax", (49152, 1000), "float16", device=H100)}) == 1
+
+
+def test_explain_axes_and_errors():
+    p = cukern.explain("log_softmax", (3, 40, 5), "float32", axis=1, device=H100)
+    assert (p.rows, p.cols, p.strided) == (15, 40, True)
+    p = cukern.explain("softmax", (3, 40, 1), "float32", axis=1, device=H100)
+    assert not p.strided
+    with pytest.raises(ValueError, match="unknown op"):
+        cukern.explain("sofmax", (4, 4), "float32", device=H100)
+    with pytest.raises(ValueError, match="axis"):
+        cukern.explain("softmax", (4, 4), "float32", axis=2, device=H100)
+    with pytest.raises(TypeError, match="int32"):
+        cukern.explain("softmax", (4, 4), "int32", device=H100)
+    with pytest.raises(ValueError, match="empty"):
+        cukern.explain("softmax", (0, 4), "float32", device=H100)
+    with pytest.raises(TypeError, match="device"):
+        cukern.explain("softmax", (4, 4), "float32", device="h100")
+
+
+def test_model_occupancy():
+    assert H100.model_occupancy(128, 0) == 16
+    assert H100.model_occupancy(1024, 0) == 2
+    assert H100.model_occupancy(1024, 131072) == 1
+    assert H100.model_occupancy(128, 232448 + 1) == 0
+    assert H100.model_occupancy(256, 60000) == 3  # 233472 // 61024
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC: every instantiation the planner can produce compiles for Ampere and Hopper.
+
+def _compile_group(args):
+    op, dtype, arch = args
+    device = H100 if arch == "sm_90" else A100
+    names = sorted(_dispatch.reachable_plans(op, dtype, device))
+    lowered = _compile.compile_check(_dispatch.OPS[op].family, names, arch)
+    return op, dtype, arch, len(names), sum(1 for v in lowered.values() if v)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_reachable_instantiation_compiles(arch):
+    groups = [(op, dt, arch) for op in FWD + BWD for dt in ITEM]
+    workers = max(1, min(len(groups), os.cpu_count() or 1))
+    with cf.ProcessPoolExecutor(workers) as pool:
+        results = list(pool.map(_compile_group, groups))
+    for op, dtype, _, n, lowered in results:
+        assert n > 100, (op, dtype)
+        assert lowered == n, (op, dtype)
+
+
+def test_reachable_covers_planner_output():
+    reach = {op: {dt: _dispatch.reachable_plans(op, dt, H100) for dt in ITEM} for op in FWD + BWD}
+    rng = np.random.default_rng(0)
+    for op in FWD + BWD:
+        for dt in ITEM:
+            for cols in list(range(1, 1100)) + list(rng.integers(1, 3_000_000, 100)):
+                for rows in (1, 2):
+                    for align in (1, 2, 4, 8, 16):
+                        for strided in (False, True):
+                            p = plan_rowwise(op, rows, int(cols), dt, H100, align_elems=align,
+                                             strided=strided)
+                            assert p.name_expression() in reach[op][dt], p
+
+
+def test_source_inlines_includes_once():
+    src = _compile.source("softmax")
+    assert '#include "common.cuh"' not in src
+    assert src.count("struct MaxSum") == 1
+    assert "softmax_cluster" in src
+
+
+# ---------------------------------------------------------------------------------------------
+# References.
+
+def test_reference_softmax_properties(rng):
+    x = rng.standard_normal((7, 33))
+    y = reference.softmax(x)
+    np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-14)
+    np.testing.assert_allclose(reference.softmax(x + 1e3), y, rtol=1e-12)
+    np.testing.assert_allclose(np.exp(reference.log_softmax(x)), y, rtol=1e-12)
+    assert np.isnan(reference.softmax(np.full((1, 4), -np.inf))).all()
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_reference_backward_matches_finite_differences(rng, log):
+    x = rng.standard_normal((3, 9))
+    dy = rng.standard_normal((3, 9))
+    fwd = reference.log_softmax if log else reference.softmax
+    bwd = reference.log_softmax_backward if log else reference.softmax_backward
+    dx = bwd(fwd(x), dy)
+    eps = 1e-6
+    num = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[idx] = eps
+        num[idx] = np.sum(dy * (fwd(x + e) - fwd(x - e))) / (2 * eps)
+    np.testing.assert_allclose(dx, num, rtol=1e-6, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout description (pure: works on NumPy arrays).
+
+def test_layout_contiguous_and_views():
+    a = np.zeros((4, 6, 5), np.float32)
+    assert _common.layout(a, 2) == (24, 5, 1, 5, 0, 1)
+    assert _common.layout(a, 1) == (20, 6, 5, 30, 1, 5)
+    assert _common.layout(a, 0) == (30, 4, 30, 0, 1, 30)
+    b = np.zeros((8, 10), np.float32)[:, :7]
+    assert _common.layout(b, 1) == (8, 7, 1, 10, 0, 1)
+    assert _common.layout(b.T, 1) == (7, 8, 1, 1, 0, 10)
+    c = np.zeros((4, 6, 5), np.float32).transpose(1, 0, 2)[:, :, ::2]
+    assert _common.layout(c, 0) is None  # (4, 3) remaining dims cannot merge into one stride
+    assert _common.layout(np.zeros((), np.float32), 0) == (1, 1, 1, 0, 0, 1)
+
+
+def test_align_elems():
+    assert _common.align_elems(2, [0, 32], [64]) == 16
+    assert _common.align_elems(2, [0, 6], [64]) == 1
+    assert _common.align_elems(4, [0, 16], [6]) == 2
+
+
+def test_host_arrays_are_refused():
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        cukern.softmax(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match="CuPy array"):
+        cukern.softmax([1.0, 2.0])

@@ -1,0 +1,308 @@
+"""Softmax family on the GPU against float64 NumPy: every variant x dtype x op at its edge
+shapes, properties, strided views, DLPack hand-offs, streams and graphs, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cukern
+from cukern import reference
+from cukern._dispatch import OPS, Variant, max_dynamic_smem
+
+from .conftest import DTYPES, TOL
+
+cp = pytest.importorskip("cupy")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_kernels")]
+
+FWD = ("softmax", "log_softmax")
+BWD = ("softmax_backward", "log_softmax_backward")
+ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
+
+        return np.dtype(bfloat16)
+    return np.dtype(name)
+
+
+def rel_err(out, ref) -> float:
+    got = cp.asnumpy(out).astype(np.float64) if isinstance(out, cp.ndarray) else out
+    assert got.shape == ref.shape
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), "NaN pattern differs"
+    fin = np.isfinite(ref)
+    assert np.array_equal(got[~fin], ref[~fin]), "infinities differ"
+    num = np.linalg.norm(got[fin] - ref[fin])
+    den = np.linalg.norm(ref[fin])
+    return float(num / den) if den else float(num)
+
+
+def inputs(op, shape, dtype, rng, axis=-1, scale=3.0):
+    """Host float64 copies (exactly representable in dtype) and device arrays of dtype."""
+    dt = np_dtype(dtype)
+    x = (rng.standard_normal(shape) * scale).astype(dt)
+    if op in BWD:
+        fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
+        x = fwd(x.astype(np.float64), axis=axis).astype(dt)
+        dy = rng.standard_normal(shape).astype(dt)
+        return (x.astype(np.float64), dy.astype(np.float64)), (cp.asarray(x), cp.asarray(dy))
+    return (x.astype(np.float64),), (cp.asarray(x),)
+
+
+def check(op, host, dev, dtype, axis=-1, out=None):
+    """Run op with a NaN-poisoned ``out`` and without ``out``; both must match the reference."""
+    ref = getattr(reference, op)(*host, axis=axis)
+    fn = getattr(cukern, op)
+    poisoned = cp.full(dev[0].shape, np.nan, dtype=dev[0].dtype) if out is None else out
+    if out is not None:
+        out[...] = np.nan
+    got = fn(*dev, axis=axis, out=poisoned)
+    assert got is poisoned
+    err = rel_err(got, ref)
+    assert err <= TOL[dtype], f"{op} {dtype} {dev[0].shape} axis={axis}: rel err {err:.3g}"
+    fresh = fn(*dev, axis=axis)
+    assert fresh.dtype == dev[0].dtype and fresh.shape == dev[0].shape
+    assert rel_err(fresh, ref) <= TOL[dtype]
+    return got
+
+
+def spec():
+    return cukern.DeviceSpec.from_device()
+
+
+def smem_edge(op, dtype):
+    return max_dynamic_smem(spec()) // (ITEM[dtype] * OPS[op].inputs)
+
+
+def variant_shapes(op, dtype):
+    """(shape, expected variant) on this device: every regime and its edges."""
+    edge = smem_edge(op, dtype)
+    wide = 16 // ITEM[dtype]
+    cluster_cap = 8 * edge
+    shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
+              ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
+              ((5, 64), Variant.WARP), ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
+              ((300, 100), Variant.WARP),
+              ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
+              ((2, edge - 1), Variant.BLOCK_SMEM), ((3, edge // wide * wide), Variant.BLOCK_SMEM)]
+    if spec().has_clusters:
+        shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
+                   ((3, (3 * edge) // wide * wide), Variant.CLUSTER),
+                   ((2, cluster_cap // wide * wide), Variant.CLUSTER)]
+    shapes += [((2, cluster_cap + wide * 64), Variant.BLOCK_UNCACHED)]
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_every_variant_at_its_edges(op, dtype, rng):
+    for shape, variant in variant_shapes(op, dtype):
+        plan = cukern.explain(op, shape, dtype)
+        assert plan.variant is variant, (shape, plan)
+        host, dev = inputs(op, shape, dtype, rng)
+        check(op, host, dev, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_uncached_at_short_rows(op, dtype, rng, monkeypatch):
+    """The uncached kernel on ordinary rows, by making the block kernels unlaunchable."""
+    from cukern.ops import _common, softmax as mod
+
+    monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+    monkeypatch.setattr(mod, "_launches", {})
+    for shape in [(3, 1025), (5, 4097), (2, 20000)]:
+        host, dev = inputs(op, shape, dtype, rng)
+        check(op, host, dev, dtype)
+        assert mod.last_plan(op).variant is Variant.BLOCK_UNCACHED
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_sum_to_one(dtype, rng):
+    for cols in (7, 1000, 5000, 3 * smem_edge("softmax", dtype)):
+        x = cp.asarray((rng.standard_normal((4, cols)) * 4).astype(np_dtype(dtype)))
+        s = cukern.softmax(x).astype(cp.float64).sum(-1)
+        assert float(cp.abs(s - 1).max()) < 20 * TOL[dtype] + 1e-12
+
+
+@pytest.mark.parametrize("op", FWD)
+def test_shift_invariance_and_huge_inputs(op, rng):
+    x = rng.standard_normal((64, 777)).astype(np.float32)
+    a = getattr(cukern, op)(cp.asarray(x))
+    b = getattr(cukern, op)(cp.asarray(x + np.float32(1000.0)))
+    ref = getattr(reference, op)(x.astype(np.float64))
+    assert rel_err(a, ref) < TOL["float32"] and rel_err(b, ref) < 1e-4
+    # float16 near its largest value: computed in float, nothing overflows
+    h = (65000 + rng.uniform(-400, 400, (16, 3000))).astype(np.float16)
+    y = getattr(cukern, op)(cp.asarray(h))
+    assert bool(cp.isfinite(y).all())
+    assert rel_err(y, getattr(reference, op)(h.astype(np.float64))) < TOL["float16"]
+
+
+@pytest.mark.parametrize("cols", [5, 40, 3000, 70000])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_infinities_and_nan(cols, dtype, rng):
+    x = rng.standard_normal((4, cols)).astype(np.float64)
+    x[0, ::2] = -np.inf  # partly -inf: zeros there
+    x[1, :] = -np.inf  # all -inf: NaN, as NumPy and PyTorch
+    x[2, cols // 2] = np.nan  # NaN poisons its row
+    d = cp.asarray(x.astype(np_dtype(dtype)))
+    for op in FWD:
+        got = cp.asnumpy(getattr(cukern, op)(d)).astype(np.float64)
+        ref = getattr(reference, op)(x)
+        assert np.isnan(got[1]).all() and np.isnan(got[2]).all()
+        assert np.array_equal(np.isinf(got[0]), np.isinf(ref[0]))
+        if op == "softmax":
+            assert (got[0, ::2] == 0).all()
+        assert rel_err(got[[0, 3]], ref[[0, 3]]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_views_and_axes(op, dtype, rng):
+    dt = np_dtype(dtype)
+    cases = []
+    for cols in (33, 1000, 4096, 70000):
+        base = rng.standard_normal((6, cols + 24)).astype(dt)
+        cases.append((base, lambda a, c=cols: a[:, :c], -1))  # row stride > cols
+        cases.append((base, lambda a, c=cols: a[:, c // 3: c], -1))  # misaligned start
+        cases.append((base, lambda a: a[:, ::2], -1))  # column stride 2
+        cases.append((base, lambda a: a[:, ::-1], -1))  # negative stride
+        cases.append((base, lambda a: a, 0))  # reduce over rows
+    cube = rng.standard_normal((3, 50, 7)).astype(dt)
+    cases += [(cube, lambda a: a, 0), (cube, lambda a: a, 1), (cube, lambda a: a, 2),
+              (cube, lambda a: a.transpose(2, 0, 1), 1),
+              (cube, lambda a: a.transpose(1, 0, 2)[:, :, ::2], 0)]  # not mergeable: copied
+    for base, view, axis in cases:
+        host_x = view(base).astype(np.float64)
+        dev_x = view(cp.asarray(base))
+        if op in BWD:
+            fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
+            y_base = fwd(base.astype(np.float64), axis=-1).astype(dt)
+            dy_base = rng.standard_normal(base.shape).astype(dt)
+            host = (view(y_base).astype(np.float64), view(dy_base).astype(np.float64))
+            dev = (view(cp.asarray(y_base)), view(cp.asarray(dy_base)))
+        else:
+            host, dev = (host_x,), (dev_x,)
+        check(op, host, dev, dtype, axis=axis)
+
+
+def test_out_may_be_a_view(rng):
+    x = rng.standard_normal((40, 300)).astype(np.float32)
+    big = cp.full((40, 512), 7.0, cp.float32)
+    out = big[:, 100:400]
+    cukern.softmax(cp.asarray(x), out=out)
+    assert rel_err(out, reference.softmax(x.astype(np.float64))) < TOL["float32"]
+    assert bool((big[:, :100] == 7).all()) and bool((big[:, 400:] == 7).all())
+    out_t = cp.empty((300, 40), cp.float32).T
+    cukern.log_softmax(cp.asarray(x), out=out_t)
+    assert rel_err(out_t, reference.log_softmax(x.astype(np.float64))) < TOL["float32"]
+
+
+def test_empty_and_scalar():
+    for shape in [(0, 5), (5, 0), (0,), (2, 0, 3)]:
+        x = cp.empty(shape, cp.float32)
+        assert cukern.softmax(x).shape == shape
+        assert cukern.softmax_backward(x, x).shape == shape
+    y = cukern.softmax(cp.asarray(np.float32(3.0)))
+    assert y.shape == () and float(y) == 1.0
+    assert float(cukern.log_softmax(cp.asarray(np.float64(3.0)))) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# DLPack hand-offs.
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_round_trip(dtype, rng):
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, dtype)
+    t = torch.randn(257, 1000, device="cuda", dtype=tdt) * 3
+    y = cukern.softmax(t)
+    assert isinstance(y, torch.Tensor) and y.dtype == tdt and y.device == t.device
+    ref = torch.softmax(t.double(), -1)
+    assert float((y.double() - ref).norm() / ref.norm()) < TOL[dtype]
+    dy = torch.randn_like(t)
+    dx = cukern.softmax_backward(y, dy)
+    yd = y.double()
+    ref_dx = (dy.double() - (dy.double() * yd).sum(-1, keepdim=True)) * yd
+    assert float((dx.double() - ref_dx).norm() / ref_dx.norm()) < TOL[dtype]
+    out = torch.empty_like(t)
+    assert cukern.log_softmax(t, out=out) is out
+    ref = torch.log_softmax(t.double(), -1)
+    assert float((out.double() - ref).norm() / ref.norm()) < TOL[dtype]
+    # zero-copy: the result's memory is shared with a CuPy view
+    assert cp.from_dlpack(y).data.ptr == y.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_jax_round_trip(dtype, rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x = jnp.asarray(rng.standard_normal((129, 2048)), dtype=getattr(jnp, dtype))
+    y = cukern.log_softmax(x)
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype
+    ref = reference.log_softmax(np.asarray(x.astype(jnp.float32)))
+    assert rel_err(np.asarray(y.astype(jnp.float32)).astype(np.float64), ref) < TOL[dtype]
+    with pytest.raises(TypeError, match="immutable"):
+        cukern.softmax(x, out=x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams and graphs.
+
+def test_user_stream_and_graph_capture(rng):
+    x = cp.asarray(rng.standard_normal((1000, 3000)).astype(np.float32))
+    y = cp.empty_like(x)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cukern.softmax(x, out=y)  # plan and compile outside the capture
+        stream.synchronize()
+        assert rel_err(y, reference.softmax(cp.asnumpy(x).astype(np.float64))) < 1e-5
+        stream.begin_capture()
+        cukern.softmax(x, out=y)
+        graph = stream.end_capture()
+    new = rng.standard_normal((1000, 3000)).astype(np.float32)
+    x.set(new)
+    y.fill(np.nan)
+    graph.launch(stream)
+    stream.synchronize()
+    assert rel_err(y, reference.softmax(new.astype(np.float64))) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+
+def test_bad_input_is_named():
+    x = cp.ones((4, 8), cp.float32)
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        cukern.softmax(np.ones((4, 8), np.float32))
+    with pytest.raises(TypeError, match="int32"):
+        cukern.softmax(cp.ones((4, 8), cp.int32))
+    with pytest.raises(TypeError, match="complex64"):
+        cukern.log_softmax(cp.ones((4, 8), cp.complex64))
+    with pytest.raises(ValueError, match="axis 2"):
+        cukern.softmax(x, axis=2)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        cukern.softmax(x, axis=1.0)
+    with pytest.raises(ValueError, match=r"out has shape \(4, 7\)"):
+        cukern.softmax(x, out=cp.empty((4, 7), cp.float32))
+    with pytest.raises(TypeError, match="out has dtype float16"):
+        cukern.softmax(x, out=cp.empty((4, 8), cp.float16))
+    with pytest.raises(ValueError, match="dy has shape"):
+        cukern.softmax_backward(x, cp.ones((4, 9), cp.float32))
+    with pytest.raises(TypeError, match="dy has dtype"):
+        cukern.log_softmax_backward(x, cp.ones((4, 8), cp.float64))
+    with pytest.raises(ValueError, match="overlap"):
+        cukern.softmax(x, out=cp.broadcast_to(cp.empty((1, 8), cp.float32), (4, 8)))
+
+
+def test_arrays_on_different_devices():
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    x = cp.ones((4, 8), cp.float32)
+    with cp.cuda.Device(1):
+        y = cp.ones((4, 8), cp.float32)
+    with pytest.raises(ValueError, match="GPU"):
+        cukern.softmax_backward(x, y)
