@@ -1,0 +1,304 @@
+"""Benchmark harness: effective bandwidth of cukern's ops beside a same-size device copy and
+peer libraries (PyTorch, JAX, CuPy), all measured in the same process.
+
+Effective bandwidth = bytes that must move (each input read once, each output written once) /
+median kernel time. The copy moves the same number of bytes as a forward op (one read, one
+write of the array); ``pct_copy`` is an op's bandwidth over the copy's. Inputs rotate over
+enough buffers to leave the L2 cache behind, so small shapes measure memory, not cache.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+__all__ = ["sweep", "plot", "time_gpu", "host_overhead_us", "OPS", "default_cols"]
+
+OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
+# Arrays read and written by each op, in units of the input array.
+_TRAFFIC = {"softmax": (1, 1), "log_softmax": (1, 1), "softmax_backward": (2, 1),
+            "log_softmax_backward": (2, 1)}
+ROTATE_BYTES = 256 * 2**20  # > 4x the H100's 50 MB L2
+
+
+def default_cols(lo: int = 32, hi: int = 262144) -> list[int]:
+    cols, c = [], lo
+    while c <= hi:
+        cols.append(c)
+        c *= 2
+    return cols
+
+
+def time_gpu(fn: Callable[[int], object], n_sets: int, reps: int = 30, warmup: int = 5,
+             sync: Callable[[], None] | None = None, events: str = "cupy") -> float:
+    """Median milliseconds of ``fn(i)`` (i cycles over input sets), timed with device events
+    (``events='cupy'`` or ``'torch'``) or, for libraries on their own streams, wall clock over a
+    synchronised batch (``events='wall'``)."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    if events == "cupy":
+        import cupy as cp
+
+        times = []
+        for i in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn(i % n_sets)
+            b.record()
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b))
+        return statistics.median(times)
+    if events == "torch":
+        import torch
+
+        times = []
+        for i in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(i % n_sets)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+    # wall clock: batches of calls, synchronised at both ends
+    assert sync is not None
+    batch = max(1, min(20, reps // 3))
+    times = []
+    for r in range(max(3, reps // batch)):
+        sync()
+        t0 = time.perf_counter()
+        for i in range(batch):
+            fn((r * batch + i) % n_sets)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3 / batch)
+    return statistics.median(times)
+
+
+def _sets(nbytes: int) -> int:
+    return max(1, min(16, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+
+
+def _make_inputs(op: str, rows: int, cols: int, dtype, n_sets: int):
+    import cupy as cp
+
+    import cukern
+
+    xs, dys = [], []
+    for _ in range(n_sets):
+        x = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
+        if op == "softmax_backward":
+            x = cukern.softmax(x)
+        elif op == "log_softmax_backward":
+            x = cukern.log_softmax(x)
+        xs.append(x)
+        if op.endswith("backward"):
+            dys.append(cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype))
+    return xs, dys
+
+
+def _peer_fns(op: str, peer: str, xs, dys):
+    """(fn(i), events, sync) running ``peer``'s version of ``op`` on input set i, or None."""
+    if peer == "cukern":
+        import cupy as cp
+
+        import cukern
+
+        f = getattr(cukern, op)
+        outs = [cp.empty_like(x) for x in xs]
+        if op.endswith("backward"):
+            return (lambda i: f(xs[i], dys[i], out=outs[i])), "cupy", None
+        return (lambda i: f(xs[i], out=outs[i])), "cupy", None
+    if peer == "torch":
+        import torch
+
+        tx = [torch.from_dlpack(x) for x in xs]
+        tdy = [torch.from_dlpack(d) for d in dys]
+        if op == "softmax":
+            return (lambda i: torch.softmax(tx[i], -1)), "torch", None
+        if op == "log_softmax":
+            return (lambda i: torch.log_softmax(tx[i], -1)), "torch", None
+        back = torch.ops.aten
+        if op == "softmax_backward":
+            return (lambda i: back._softmax_backward_data(tdy[i], tx[i], -1, tx[i].dtype)), \
+                "torch", None
+        return (lambda i: back._log_softmax_backward_data(tdy[i], tx[i], -1, tx[i].dtype)), \
+            "torch", None
+    if peer == "jax" and op in ("softmax", "log_softmax"):
+        import jax
+        import jax.numpy as jnp
+
+        jx = [jnp.from_dlpack(x) for x in xs]
+        f = jax.jit(jax.nn.softmax if op == "softmax" else jax.nn.log_softmax)
+        last = []
+
+        def run(i):
+            last[:] = [f(jx[i])]
+
+        def sync():
+            if last:
+                last[0].block_until_ready()
+
+        return run, "wall", sync
+    if peer == "cupyx" and op in ("softmax", "log_softmax"):
+        import cupyx.scipy.special as sp
+
+        g = sp.softmax if op == "softmax" else sp.log_softmax
+        return (lambda i: g(xs[i], axis=-1)), "cupy", None
+    return None
+
+
+def copy_ms(nbytes: int, reps: int = 30) -> float:
+    """Median milliseconds of a device-to-device copy of ``nbytes``."""
+    import cupy as cp
+
+    n_sets = _sets(2 * nbytes)
+    src = [cp.empty(nbytes, cp.uint8) for _ in range(n_sets)]
+    dst = [cp.empty(nbytes, cp.uint8) for _ in range(n_sets)]
+    for s in src:
+        s.fill(1)
+
+    def run(i):
+        cp.cuda.runtime.memcpyAsync(dst[i].data.ptr, src[i].data.ptr, nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+
+    return time_gpu(run, n_sets, reps)
+
+
+def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
+          rows_fn: Callable[[int], int] | None = None,
+          vs: Iterable[str] = ("torch", "jax", "cupyx"),
+          progress: Callable[[dict], None] | None = None, reps: int = 30) -> list[dict]:
+    """Time ``op`` for each dtype and cols (rows = rows_fn(cols), default 2**27 // cols) for
+    cukern, a same-size copy and each available peer. One dict per measurement: op, dtype, rows,
+    cols, peer ('cukern', 'copy', 'torch', ...), ms, gbps, pct_copy."""
+    import cupy as cp
+
+    from ._explain import dtype_name
+
+    rows_fn = rows_fn or (lambda c: max(1, 2**27 // c))
+    reads, writes = _TRAFFIC[op]
+    results: list[dict] = []
+    copy_cache: dict[int, float] = {}
+    for dt in dtypes:
+        name = dtype_name(dt)
+        np_dtype = np.dtype(_np_dtype(name))
+        for cols in cols_list:
+            rows = rows_fn(cols)
+            array_bytes = rows * cols * np_dtype.itemsize
+            moved = (reads + writes) * array_bytes
+            if array_bytes not in copy_cache:
+                copy_cache[array_bytes] = copy_ms(array_bytes, reps)
+            c_ms = copy_cache[array_bytes]
+            copy_gbps = 2 * array_bytes / c_ms / 1e6
+            row = dict(op=op, dtype=name, rows=rows, cols=cols)
+            results.append(dict(row, peer="copy", ms=c_ms, gbps=copy_gbps, pct_copy=100.0))
+            n_sets = _sets((reads + writes) * array_bytes)
+            xs, dys = _make_inputs(op, rows, cols, np_dtype, n_sets)
+            for peer in ("cukern", *vs):
+                try:
+                    made = _peer_fns(op, peer, xs, dys)
+                except ImportError:
+                    made = None
+                if made is None:
+                    continue
+                fn, events, sync = made
+                try:
+                    ms = time_gpu(fn, n_sets, reps, sync=sync, events=events)
+                except Exception as err:  # a peer that cannot run this shape is reported, not fatal
+                    results.append(dict(row, peer=peer, ms=float("nan"), gbps=float("nan"),
+                                        pct_copy=float("nan"), error=str(err)[:200]))
+                    continue
+                gbps = moved / ms / 1e6
+                results.append(dict(row, peer=peer, ms=ms, gbps=gbps,
+                                    pct_copy=100.0 * gbps / copy_gbps))
+                if progress:
+                    progress(results[-1])
+            del xs, dys
+            cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
+
+        return bfloat16
+    return np.dtype(name)
+
+
+def host_overhead_us(n: int = 20000) -> dict:
+    """Microseconds of host time per call on a tiny array (the GPU is never the bottleneck)."""
+    import cupy as cp
+
+    import cukern
+
+    x = cp.random.standard_normal((4, 8), dtype=cp.float32)
+    out = cp.empty_like(x)
+    result = {}
+    for label, fn in (("softmax", lambda: cukern.softmax(x)),
+                      ("softmax_out", lambda: cukern.softmax(x, out=out)),
+                      ("cupy_empty_like", lambda: cp.empty_like(x))):
+        for _ in range(200):
+            fn()
+        cp.cuda.Device().synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n // 5):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / (n // 5) * 1e6)
+            cp.cuda.Device().synchronize()
+        result[label] = best
+    try:
+        import torch
+
+        t = torch.from_dlpack(x)
+        for _ in range(200):
+            torch.softmax(t, -1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            torch.softmax(t, -1)
+        result["torch_softmax"] = (time.perf_counter() - t0) / (n // 5) * 1e6
+        torch.cuda.synchronize()
+    except ImportError:
+        pass
+    return result
+
+
+def plot(results: list[dict], path: str, title: str = "") -> None:
+    """Percent of copy bandwidth against cols, one panel per (op, dtype), one line per peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["op"], r["dtype"]) for r in results})
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
+    for ax, (op, dt) in zip(axes.flat, panels):
+        sel = [r for r in results if r["op"] == op and r["dtype"] == dt]
+        for peer in dict.fromkeys(r["peer"] for r in sel):
+            pts = sorted((r["cols"], r["pct_copy"]) for r in sel if r["peer"] == peer)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=peer,
+                    lw=2.2 if peer == "cukern" else 1.2, ls="--" if peer == "copy" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 115)
+        ax.set_title(f"{op} {dt}", fontsize=10)
+        ax.set_xlabel("cols")
+        ax.set_ylabel("% of copy bandwidth")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
