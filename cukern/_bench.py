@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["sweep", "plot", "time_gpu", "host_overhead_us", "OPS", "default_cols"]
+__all__ = ["sweep", "plot", "time_gpu", "time_wall", "host_overhead_us", "OPS", "default_cols"]
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 # Arrays read and written by each op, in units of the input array.
@@ -33,48 +33,67 @@ def default_cols(lo: int = 32, hi: int = 262144) -> list[int]:
     return cols
 
 
-def time_gpu(fn: Callable[[int], object], n_sets: int, reps: int = 30, warmup: int = 5,
-             sync: Callable[[], None] | None = None, events: str = "cupy") -> float:
-    """Median milliseconds of ``fn(i)`` (i cycles over input sets), timed with device events
-    (``events='cupy'`` or ``'torch'``) or, for libraries on their own streams, wall clock over a
-    synchronised batch (``events='wall'``)."""
+_spin_kernel = None
+
+
+def _spin(us: float) -> None:
+    """Keep the GPU busy for at least ``us`` microseconds (one thread spinning on clock64), so
+    launches queued behind it run back to back and their timing excludes host overhead."""
+    global _spin_kernel
+    import cupy as cp
+
+    if _spin_kernel is None:
+        _spin_kernel = cp.RawKernel(
+            'extern "C" __global__ void cukern_spin(long long cycles) {'
+            ' long long t0 = clock64(); while (clock64() - t0 < cycles) {} }', "cukern_spin")
+    _spin_kernel((1,), (1,), (np.int64(us * 2000),))  # clocks <= 2 GHz: at least `us`
+
+
+def time_gpu(fn: Callable[[int], object], n_sets: int, reps: int = 30, warmup: int = 3,
+             batch: int = 10) -> float:
+    """Median milliseconds of one ``fn(i)`` (i cycles over input sets) on the legacy default
+    stream, where CuPy and PyTorch launch by default. Each sample is a batch of calls queued
+    behind a spin kernel and bracketed by events, so what is timed is the GPU's work alone,
+    however long the host takes to launch it."""
+    import cupy as cp
+
     for i in range(warmup):
         fn(i % n_sets)
-    if events == "cupy":
-        import cupy as cp
-
-        times = []
-        for i in range(reps):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record()
-            fn(i % n_sets)
-            b.record()
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b))
-        return statistics.median(times)
-    if events == "torch":
-        import torch
-
-        times = []
-        for i in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(i % n_sets)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-    # wall clock: batches of calls, synchronised at both ends
-    assert sync is not None
-    batch = max(1, min(20, reps // 3))
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for i in range(batch):
+        fn(i % n_sets)
+    host_us = (time.perf_counter() - t0) * 1e6
+    cp.cuda.Device().synchronize()
     times = []
-    for r in range(max(3, reps // batch)):
-        sync()
-        t0 = time.perf_counter()
+    for r in range(max(3, reps // batch * 3)):
+        _spin(1.5 * host_us + 50)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
         for i in range(batch):
             fn((r * batch + i) % n_sets)
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / batch)
+    return statistics.median(times)
+
+
+def time_wall(fn: Callable[[], object], sync: Callable[[], None], per_call: int,
+              reps: int = 30) -> float:
+    """Median milliseconds per unit of work for a library on its own streams (JAX): calls of
+    ``fn`` (each doing ``per_call`` units) queued asynchronously, synchronised at both ends."""
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    batch = 5
+    for _ in range(max(3, reps // batch)):
         sync()
-        times.append((time.perf_counter() - t0) * 1e3 / batch)
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3 / (batch * per_call))
     return statistics.median(times)
 
 
@@ -101,7 +120,13 @@ def _make_inputs(op: str, rows: int, cols: int, dtype, n_sets: int):
 
 
 def _peer_fns(op: str, peer: str, xs, dys):
-    """(fn(i), events, sync) running ``peer``'s version of ``op`` on input set i, or None."""
+    """A timer for ``peer``'s version of ``op``: ``lambda reps: milliseconds``, or None when the
+    peer has no such op."""
+    n_sets = len(xs)
+
+    def stream(fn):
+        return lambda reps: time_gpu(fn, n_sets, reps)
+
     if peer == "cukern":
         import cupy as cp
 
@@ -110,44 +135,46 @@ def _peer_fns(op: str, peer: str, xs, dys):
         f = getattr(cukern, op)
         outs = [cp.empty_like(x) for x in xs]
         if op.endswith("backward"):
-            return (lambda i: f(xs[i], dys[i], out=outs[i])), "cupy", None
-        return (lambda i: f(xs[i], out=outs[i])), "cupy", None
+            return stream(lambda i: f(xs[i], dys[i], out=outs[i]))
+        return stream(lambda i: f(xs[i], out=outs[i]))
     if peer == "torch":
         import torch
 
         tx = [torch.from_dlpack(x) for x in xs]
         tdy = [torch.from_dlpack(d) for d in dys]
+        if torch.cuda.current_stream().cuda_stream != 0:
+            return None  # not on the legacy default stream: the events would not bracket it
         if op == "softmax":
-            return (lambda i: torch.softmax(tx[i], -1)), "torch", None
+            return stream(lambda i: torch.softmax(tx[i], -1))
         if op == "log_softmax":
-            return (lambda i: torch.log_softmax(tx[i], -1)), "torch", None
+            return stream(lambda i: torch.log_softmax(tx[i], -1))
         back = torch.ops.aten
         if op == "softmax_backward":
-            return (lambda i: back._softmax_backward_data(tdy[i], tx[i], -1, tx[i].dtype)), \
-                "torch", None
-        return (lambda i: back._log_softmax_backward_data(tdy[i], tx[i], -1, tx[i].dtype)), \
-            "torch", None
+            return stream(lambda i: back._softmax_backward_data(tdy[i], tx[i], -1, tx[i].dtype))
+        return stream(lambda i: back._log_softmax_backward_data(tdy[i], tx[i], -1, tx[i].dtype))
     if peer == "jax" and op in ("softmax", "log_softmax"):
         import jax
         import jax.numpy as jnp
 
         jx = [jnp.from_dlpack(x) for x in xs]
-        f = jax.jit(jax.nn.softmax if op == "softmax" else jax.nn.log_softmax)
+        g = jax.nn.softmax if op == "softmax" else jax.nn.log_softmax
+        # one jitted call over every input set: its dispatch cost is shared by n_sets kernels
+        f = jax.jit(lambda *a: [g(x, axis=-1) for x in a])
         last = []
 
-        def run(i):
-            last[:] = [f(jx[i])]
+        def run():
+            last[:] = [f(*jx)]
 
         def sync():
             if last:
-                last[0].block_until_ready()
+                jax.block_until_ready(last[0])
 
-        return run, "wall", sync
+        return lambda reps: time_wall(run, sync, n_sets, reps)
     if peer == "cupyx" and op in ("softmax", "log_softmax"):
         import cupyx.scipy.special as sp
 
         g = sp.softmax if op == "softmax" else sp.log_softmax
-        return (lambda i: g(xs[i], axis=-1)), "cupy", None
+        return stream(lambda i: g(xs[i], axis=-1))
     return None
 
 
@@ -163,8 +190,7 @@ def copy_ms(nbytes: int, reps: int = 30) -> float:
 
     def run(i):
         cp.cuda.runtime.memcpyAsync(dst[i].data.ptr, src[i].data.ptr, nbytes,
-                                    cp.cuda.runtime.memcpyDeviceToDevice,
-                                    cp.cuda.get_current_stream().ptr)
+                                    cp.cuda.runtime.memcpyDeviceToDevice, 0)
 
     return time_gpu(run, n_sets, reps)
 
@@ -206,9 +232,8 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
                     made = None
                 if made is None:
                     continue
-                fn, events, sync = made
                 try:
-                    ms = time_gpu(fn, n_sets, reps, sync=sync, events=events)
+                    ms = made(reps)
                 except Exception as err:  # a peer that cannot run this shape is reported, not fatal
                     results.append(dict(row, peer=peer, ms=float("nan"), gbps=float("nan"),
                                         pct_copy=float("nan"), error=str(err)[:200]))

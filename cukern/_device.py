@@ -100,12 +100,12 @@ def _live_spec(device_id: int) -> DeviceSpec:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return DeviceSpec(
         name=name,
-        compute_capability=(attrs["ComputeCapabilityMajor"], attrs["ComputeCapabilityMinor"]),
+        compute_capability=(int(props["major"]), int(props["minor"])),
         sms=attrs["MultiProcessorCount"],
         max_threads_per_sm=attrs["MaxThreadsPerMultiProcessor"],
-        max_blocks_per_sm=attrs.get("MaxBlocksPerMultiprocessor", 32),
+        max_blocks_per_sm=int(props.get("maxBlocksPerMultiProcessor", 32)),
         smem_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
         smem_per_block_optin=attrs["MaxSharedMemoryPerBlockOptin"],
-        reserved_smem_per_block=props.get("reservedSharedMemPerBlock", 1024),
+        reserved_smem_per_block=int(props.get("reservedSharedMemPerBlock", 1024)),
         device_id=device_id,
     )

@@ -18,6 +18,7 @@ section 2), with three departures, each measured in ``benchmarks/``:
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,7 +31,8 @@ WARP_BLOCK_THREADS = 128  # OneFlow: 128 threads per block for the warp kernel
 BLOCK_SIZES = (1024, 512, 256)  # tried, largest first, against the 128-thread occupancy
 UNCACHED_BLOCK = 1024
 CLUSTER_SIZES = (2, 4, 8)  # portable cluster sizes
-CLUSTER_BLOCK = 1024
+PACKS_PER_THREAD = 2  # the fewest packs per thread worth a wider block (measured, H100)
+CLUSTER_MAX_BLOCK = 512  # wider cluster blocks measured slower (their barriers cost more)
 WAVES = 32  # OneFlow's GetNumBlocks: at most 32 waves of resident threads
 STATIC_SMEM = 1024  # kept back from the opt-in limit for the kernels' static shared memory
 
@@ -50,13 +52,42 @@ class OpInfo:
     kernel: str  # kernel name prefix in that file
     algo: int  # template ALGO argument
     inputs: int  # row-sized inputs that a cached variant keeps on chip
+    # The kernels read the group width, the block size and padding from the launch, so only what
+    # sizes a register array is a template argument (pack, cols_per_thread, rows_per_access,
+    # cluster). Their warp kernel guards every pack, and cols_per_thread is rounded up to a power
+    # of two packs: far fewer instantiations, for some idle registers.
+    runtime_shape: bool = False
+    strided: bool = True  # the kernels take a STRIDED argument (strided layouts are plannable)
+    extras: tuple[tuple[str, ...], ...] = ((),)  # every `extra` the kernels take; [0]: default
+    # A backward that also sums over rows (dweight, dbias): how many per-column sums, in the
+    # compute type, it keeps when its first extra switch (WEIGHT) is "true". A cached variant
+    # keeps them on chip beside the row, and the grid is one wave of resident blocks, each
+    # writing one partial row that `aux_kernels` add up.
+    col_sums: int = 0
+    aux_kernels: tuple[str, ...] = ()  # other kernels the op launches ("{t}": the C++ type)
 
+
+_TF = ("false", "true")
+_NORM = {"runtime_shape": True, "strided": False}
+_PARAM_REDUCE = ("cukern::norm_param_grad_reduce<{t}>",)
 
 OPS: dict[str, OpInfo] = {
     "softmax": OpInfo("softmax", "softmax", 0, 1),
     "log_softmax": OpInfo("softmax", "softmax", 1, 1),
     "softmax_backward": OpInfo("softmax", "softmax_grad", 0, 2),
     "log_softmax_backward": OpInfo("softmax", "softmax_grad", 1, 2),
+    # extra = (WEIGHT, BIAS, RESIDUAL)
+    "layer_norm": OpInfo("layer_norm", "layer_norm", 0, 1, **_NORM,
+                         extras=tuple((w, b, r) for w in _TF for b in _TF for r in _TF)),
+    "rms_norm": OpInfo("layer_norm", "layer_norm", 1, 1, **_NORM,
+                       extras=tuple((w, "false", r) for w in _TF for r in _TF)),
+    # extra = (WEIGHT,): dx uses dy * gamma, and dgamma (and dbeta) are summed over rows
+    "layer_norm_backward": OpInfo("layer_norm", "layer_norm_grad", 0, 2, **_NORM,
+                                  extras=(("false",), ("true",)), col_sums=2,
+                                  aux_kernels=_PARAM_REDUCE),
+    "rms_norm_backward": OpInfo("layer_norm", "layer_norm_grad", 1, 2, **_NORM,
+                                extras=(("false",), ("true",)), col_sums=1,
+                                aux_kernels=_PARAM_REDUCE),
 }
 
 CPP_TYPES = {"float16": "cukern::f16", "bfloat16": "cukern::bf16", "float32": "float",
@@ -96,7 +127,14 @@ class Plan:
         info = OPS[self.op]
         t = CPP_TYPES[self.dtype]
         s = "true" if self.strided else "false"
-        if self.variant is Variant.WARP:
+        if info.runtime_shape:
+            if self.variant is Variant.WARP:
+                args = [t, info.algo, self.pack_size, self.cols_per_thread, self.rows_per_access]
+            elif self.variant is Variant.CLUSTER:
+                args = [t, info.algo, self.pack_size, self.cluster]
+            else:
+                args = [t, info.algo, self.pack_size]
+        elif self.variant is Variant.WARP:
             pad = "true" if self.padding else "false"
             args = [t, info.algo, s, self.pack_size, self.cols_per_thread,
                     self.thread_group_width, self.rows_per_access, pad]
@@ -151,6 +189,15 @@ def model_occupancy(device: DeviceSpec) -> Occupancy:
     return occ
 
 
+def block_threads_for(packs: int) -> int:
+    """The widest block (128..1024 threads) that still gives each thread PACKS_PER_THREAD packs
+    of a row of ``packs`` packs: wider blocks leave threads idle and make barriers dearer."""
+    threads = 1024
+    while threads > 128 and threads * PACKS_PER_THREAD > packs:
+        threads //= 2
+    return threads
+
+
 def max_dynamic_smem(device: DeviceSpec) -> int:
     """Dynamic shared memory a block may ask for: the opt-in limit less STATIC_SMEM."""
     return device.smem_per_block_optin - STATIC_SMEM
@@ -173,8 +220,10 @@ def pack_size(dtype: str, cols: int, align_elems: int, strided: bool) -> int:
     return p
 
 
-def warp_shape(cols: int, pack: int, rows: int) -> tuple[int, int, int, bool]:
-    """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel."""
+def warp_shape(cols: int, pack: int, rows: int,
+               pow2: bool = False) -> tuple[int, int, int, bool]:
+    """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel.
+    ``pow2``: cols_per_thread is a power-of-two number of packs (runtime-shape kernels)."""
     if cols <= 32 * pack:
         width = 1
         while width * pack < cols:
@@ -185,20 +234,21 @@ def warp_shape(cols: int, pack: int, rows: int) -> tuple[int, int, int, bool]:
         width = 32
         cpt = pack
         while 32 * cpt < cols:
-            cpt += pack
+            cpt = cpt * 2 if pow2 else cpt + pack
         rpa = 1
     return width, cpt, rpa, cols != cpt * width
 
 
 def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
                  occupancy: Occupancy | None = None, *, align_elems: int = 16,
-                 strided: bool = False, extra: tuple[str, ...] = ()) -> Plan:
+                 strided: bool = False, extra: tuple[str, ...] | None = None) -> Plan:
     """Choose the kernel for a row-wise op over a (rows, cols) view.
 
     ``align_elems``: the largest power of two (in elements, up to 16) dividing every pointer's
     address and every row stride; ``strided``: rows or columns are not contiguous, so every
     access is a single element. ``occupancy`` defaults to the device model. ``extra``: template
-    arguments an op appends to the kernel's (fused-functor switches, for example).
+    arguments an op appends to the kernel's (fused-functor switches, for example); None: the
+    op's default, ``OpInfo.extras[0]``.
     """
     if op not in OPS:
         raise ValueError(f"plan: unknown op {op!r}; expected one of {sorted(OPS)}")
@@ -208,56 +258,83 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         raise ValueError(f"plan: rows and cols must be positive, got rows={rows}, cols={cols}")
     occ = occupancy or model_occupancy(device)
     info = OPS[op]
+    extra = info.extras[0] if extra is None else tuple(extra)
+    if extra not in info.extras:
+        raise ValueError(f"plan: {op} takes extra template arguments from {list(info.extras)}, "
+                         f"got {extra}")
+    if strided and not info.strided:
+        raise ValueError(f"plan: {op} has no strided kernels; rows must have contiguous columns")
     item = ITEMSIZE[dtype]
     pack = pack_size(dtype, cols, align_elems, strided)
     base = dict(op=op, dtype=dtype, rows=rows, cols=cols, pack_size=pack, strided=strided,
-                device=device.name, extra=tuple(extra))
+                device=device.name, extra=extra)
+    # Sums over rows (a backward's dweight, dbias): kept on chip beside a cached row, and a grid
+    # of one wave of resident blocks, since every block writes one partial row of them.
+    col_sums = info.col_sums if extra[:1] == ("true",) else 0
+    smem_per_col = item * info.inputs + col_sums * (8 if dtype == "float64" else 4)
+    waves = 1 if col_sums else WAVES
+
+    def grid_for(plan: Plan, needed: int) -> int:
+        if col_sums:
+            return max(1, min(needed, device.sms * max(1, occ(plan))))
+        return num_blocks(device, plan.threads, needed)
 
     if cols <= WARP_MAX_COLS:
-        width, cpt, rpa, padding = warp_shape(cols, pack, rows)
+        width, cpt, rpa, padding = warp_shape(cols, pack, rows, pow2=info.runtime_shape)
         block = (width, WARP_BLOCK_THREADS // width)
         groups = -(-rows // rpa)
-        grid = num_blocks(device, WARP_BLOCK_THREADS, -(-groups // block[1]))
-        return Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
-                    rows_per_access=rpa, padding=padding, block=block, grid=grid, smem_bytes=0,
+        plan = Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
+                    rows_per_access=rpa, padding=padding, block=block, grid=1, smem_bytes=0,
                     **base)
+        return _replace(plan, grid=grid_for(plan, -(-groups // block[1])))
 
     no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
-    smem = cols * item * info.inputs
+    smem = cols * smem_per_col
     candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
                      **no_warp, **base)
     smem_limit = max_dynamic_smem(device)
     occ128 = occ(candidate) if smem <= smem_limit else 0
     if occ128 > 0:
         block = 128
+        widest = block_threads_for(cols // pack)
         for threads in BLOCK_SIZES:
-            if occ(_replace(candidate, block=(threads, 1))) == occ128:
+            if threads <= widest and occ(_replace(candidate, block=(threads, 1))) == occ128:
                 block = threads
                 break
-        notes = (f"row cached in shared memory as {dtype} ({smem} bytes per block)",)
-        return _replace(candidate, block=(block, 1), grid=num_blocks(device, block, rows),
-                        notes=notes)
+        what = f"row cached in shared memory as {dtype}"
+        if col_sums:
+            what += f", beside {col_sums} column sums"
+        plan = _replace(candidate, block=(block, 1), notes=(f"{what} ({smem} bytes per block)",))
+        # One wave of resident blocks, each looping over rows: a block reads its next row while
+        # it writes the current one, which only pays when it has a next row.
+        return _replace(plan, grid=max(1, min(rows, device.sms * occ128)))
 
     if device.has_clusters and not strided:
+        # The smallest cluster whose slices fit: every extra block adds to the cost of the
+        # cluster-wide reduction, which sits on each row's critical path.
         num_packs = cols // pack
         for size in CLUSTER_SIZES:
-            slice_smem = -(-num_packs // size) * pack * item * info.inputs
+            slice_packs = -(-num_packs // size)
+            slice_smem = slice_packs * pack * smem_per_col
             if slice_smem > smem_limit:
                 continue
-            cand = Plan(variant=Variant.CLUSTER, block=(CLUSTER_BLOCK, 1), grid=size,
+            threads = min(CLUSTER_MAX_BLOCK, block_threads_for(slice_packs))
+            cand = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size,
                         smem_bytes=slice_smem, cluster=size, **no_warp, **base)
             per_sm = occ(cand)
             if per_sm <= 0:
                 continue
-            clusters = max(1, min(rows, device.sms * per_sm // size * WAVES))
+            clusters = max(1, min(rows, device.sms * per_sm // size))  # one wave
             notes = (f"row split over a cluster of {size} blocks, {slice_smem} bytes of shared "
-                     f"memory each",)
+                     f"memory each, {per_sm} resident per SM",)
             return _replace(cand, grid=clusters * size, notes=notes)
 
     notes = ("row too long to keep on chip: read twice from memory",)
-    return Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1),
-                grid=num_blocks(device, UNCACHED_BLOCK, rows), smem_bytes=0, notes=notes,
-                **no_warp, **base)
+    if col_sums:
+        notes += ("column sums kept in global memory",)
+    plan = Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), grid=1, smem_bytes=0,
+                notes=notes, **no_warp, **base)
+    return _replace(plan, grid=grid_for(plan, rows))
 
 
 def _replace(plan: Plan, **changes) -> Plan:
@@ -270,16 +347,17 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
     """Every kernel instantiation ``plan_rowwise`` can produce for ``op`` and ``dtype`` on a
     device of this architecture, whatever the shape, alignment or occupancy. Used by the
     compile check and ``cukern precompile``."""
-    names: set[str] = set()
+    info = OPS[op]
+    names: set[str] = {k.format(t=CPP_TYPES[dtype]) for k in info.aux_kernels}
     packs = sorted({pack_size(dtype, c, a, False) for c in (1, 2, 4, 8, 16) for a in (16,)})
-    layouts = [(p, False) for p in packs] + [(1, True)]
-    for pack, strided in layouts:
+    layouts = [(p, False) for p in packs] + ([(1, True)] if info.strided else [])
+    for (pack, strided), extra in itertools.product(layouts, info.extras):
         base = dict(op=op, dtype=dtype, rows=1, cols=1, pack_size=pack, strided=strided,
-                    device=device.name, grid=1)
+                    device=device.name, grid=1, extra=extra)
         # Warp kernel: every cols up to the limit that this pack size divides, both parities.
         for cols in range(pack, WARP_MAX_COLS + 1, pack):
             for rows in (1, 2):
-                width, cpt, rpa, padding = warp_shape(cols, pack, rows)
+                width, cpt, rpa, padding = warp_shape(cols, pack, rows, pow2=info.runtime_shape)
                 names.add(Plan(variant=Variant.WARP, cols_per_thread=cpt,
                                thread_group_width=width, rows_per_access=rpa, padding=padding,
                                block=(width, WARP_BLOCK_THREADS // width), smem_bytes=0,
@@ -291,7 +369,7 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
         names.add(Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), smem_bytes=0,
                        **no_warp, **base).name_expression())
         if device.has_clusters and not strided:
-            for size in CLUSTER_SIZES:
-                names.add(Plan(variant=Variant.CLUSTER, block=(CLUSTER_BLOCK, 1), smem_bytes=0,
+            for size, threads in itertools.product(CLUSTER_SIZES, (128, 256, CLUSTER_MAX_BLOCK)):
+                names.add(Plan(variant=Variant.CLUSTER, block=(threads, 1), smem_bytes=0,
                                cluster=size, **no_warp, **base).name_expression())
     return names

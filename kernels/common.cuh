@@ -13,22 +13,35 @@ typedef long long i64;
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
 
+// exp through exp2 on the special-function unit: about 2 ulp. Used where its error is far
+// below what follows: results stored in 16 bits, and the row sums of an online softmax.
+__device__ __forceinline__ float exp_approx(float v) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v * 1.4426950408889634f));
+  return r;
+}
+
 template <typename T> struct Num;
 
+// Num<T>::exp is the exponential an op on T-typed data uses: exact for float and double, the
+// fast approximation for half and bfloat16, whose rounding (2^-11, 2^-8) dwarfs its error.
 template <> struct Num<float> {
   typedef float compute;
+  static __device__ __forceinline__ float exp(float v) { return expf(v); }
   static __device__ __forceinline__ float to(float v) { return v; }
   static __device__ __forceinline__ float from(float v) { return v; }
 };
 
 template <> struct Num<double> {
   typedef double compute;
+  static __device__ __forceinline__ double exp(double v) { return ::exp(v); }
   static __device__ __forceinline__ double to(double v) { return v; }
   static __device__ __forceinline__ double from(double v) { return v; }
 };
 
 template <> struct Num<f16> {
   typedef float compute;
+  static __device__ __forceinline__ float exp(float v) { return exp_approx(v); }
   static __device__ __forceinline__ float to(f16 v) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
@@ -43,6 +56,7 @@ template <> struct Num<f16> {
 
 template <> struct Num<bf16> {
   typedef float compute;
+  static __device__ __forceinline__ float exp(float v) { return exp_approx(v); }
   static __device__ __forceinline__ float to(bf16 v) {
     return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
   }
@@ -55,11 +69,13 @@ template <> struct Num<bf16> {
 
 // ---------------------------------------------------------------------------------------------
 // Math in the compute type (float or double).
+
 template <typename C> struct Math;
 
 template <> struct Math<float> {
   static __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
   static __device__ __forceinline__ float exp(float v) { return expf(v); }
+  static __device__ __forceinline__ float exp_fast(float v) { return exp_approx(v); }
   static __device__ __forceinline__ float log(float v) { return logf(v); }
   static __device__ __forceinline__ float rsqrt(float v) { return rsqrtf(v); }
   static __device__ __forceinline__ float div(float a, float b) { return a / b; }
@@ -68,6 +84,7 @@ template <> struct Math<float> {
 template <> struct Math<double> {
   static __device__ __forceinline__ double inf() { return __longlong_as_double(0x7ff0000000000000LL); }
   static __device__ __forceinline__ double exp(double v) { return ::exp(v); }
+  static __device__ __forceinline__ double exp_fast(double v) { return ::exp(v); }
   static __device__ __forceinline__ double log(double v) { return ::log(v); }
   static __device__ __forceinline__ double rsqrt(double v) { return ::rsqrt(v); }
   static __device__ __forceinline__ double div(double a, double b) { return a / b; }
@@ -106,20 +123,25 @@ template <bool STRIDED> struct Layout {
   }
 };
 
-// Reads N consecutive columns of one row and converts them to the compute type.
+// Reads N consecutive columns of one row and converts them to the compute type; `raw` reads
+// them in the storage type.
 template <typename T, typename C, bool STRIDED> struct Load {
   const T* ptr;
   Layout<STRIDED> at;
-  template <int N> __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
+  template <int N> __device__ __forceinline__ Pack<T, N> raw(i64 row, int col) const {
+    Pack<T, N> pack;
     if (STRIDED) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) dst[i] = Num<T>::to(ptr[at.offset(row, col + i)]);
+      for (int i = 0; i < N; ++i) pack.elem[i] = ptr[at.offset(row, col + i)];
     } else {
-      Pack<T, N> pack;
       pack.word = *reinterpret_cast<const typename Pack<T, N>::word_t*>(ptr + at.offset(row, col));
-#pragma unroll
-      for (int i = 0; i < N; ++i) dst[i] = Num<T>::to(pack.elem[i]);
     }
+    return pack;
+  }
+  template <int N> __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
+    const Pack<T, N> pack = raw<N>(row, col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = Num<T>::to(pack.elem[i]);
   }
 };
 
@@ -200,13 +222,14 @@ template <typename Op, int BLOCK, typename C> __device__ __forceinline__ C block
 }
 
 // ---------------------------------------------------------------------------------------------
-// Online softmax state: the running max m and the sum d of exp(x - m) seen so far.
-template <typename C> struct MaxSum {
+// Online softmax state: the running max m and the sum d of exp(x - m) seen so far (exp_fast:
+// 2 ulp on a sum of positive terms). Empty (m = -inf, d = 0) until a finite value arrives.
+template <typename T, typename C = typename Num<T>::compute> struct MaxSum {
   C m, d;
   static __device__ __forceinline__ MaxSum empty() { return MaxSum{-Math<C>::inf(), C(0)}; }
   // Rescale a partial sum to a new max; an empty part (m == -inf) contributes nothing.
   __device__ __forceinline__ C sum_at(C new_m) const {
-    return m == -Math<C>::inf() ? C(0) : d * Math<C>::exp(m - new_m);
+    return m == -Math<C>::inf() ? C(0) : d * Math<C>::exp_fast(m - new_m);
   }
   static __device__ __forceinline__ MaxSum merge(const MaxSum& a, const MaxSum& b) {
     const C m = max_nan(a.m, b.m);
@@ -217,25 +240,28 @@ template <typename C> struct MaxSum {
     C pm = m;
 #pragma unroll
     for (int i = 0; i < N; ++i) pm = max_nan(pm, v[i]);
+    if (pm == -Math<C>::inf()) return;  // nothing but -inf so far: the state stays empty
     C s = sum_at(pm);
 #pragma unroll
-    for (int i = 0; i < N; ++i) s += Math<C>::exp(v[i] - pm);
+    for (int i = 0; i < N; ++i) s += Math<C>::exp_fast(v[i] - pm);
     m = pm;
     d = s;
   }
 };
 
-template <int WIDTH, typename C> __device__ __forceinline__ MaxSum<C> group_allreduce(MaxSum<C> v) {
+template <int WIDTH, typename T, typename C>
+__device__ __forceinline__ MaxSum<T, C> group_allreduce(MaxSum<T, C> v) {
 #pragma unroll
   for (int mask = WIDTH / 2; mask > 0; mask /= 2) {
-    MaxSum<C> o{__shfl_xor_sync(0xffffffffu, v.m, mask, WIDTH),
-                __shfl_xor_sync(0xffffffffu, v.d, mask, WIDTH)};
-    v = MaxSum<C>::merge(v, o);
+    MaxSum<T, C> o{__shfl_xor_sync(0xffffffffu, v.m, mask, WIDTH),
+                   __shfl_xor_sync(0xffffffffu, v.d, mask, WIDTH)};
+    v = MaxSum<T, C>::merge(v, o);
   }
   return v;
 }
 
-template <int BLOCK, typename C> __device__ __forceinline__ MaxSum<C> block_allreduce(MaxSum<C> v) {
+template <int BLOCK, typename T, typename C>
+__device__ __forceinline__ MaxSum<T, C> block_allreduce(MaxSum<T, C> v) {
   constexpr int WARPS = BLOCK / 32;
   __shared__ C pm[WARPS], pd[WARPS];
   __shared__ C rm, rd;
@@ -244,12 +270,12 @@ template <int BLOCK, typename C> __device__ __forceinline__ MaxSum<C> block_allr
   if (lane == 0) { pm[warp] = v.m; pd[warp] = v.d; }
   __syncthreads();
   if (warp == 0) {
-    MaxSum<C> w = lane < WARPS ? MaxSum<C>{pm[lane], pd[lane]} : MaxSum<C>::empty();
+    MaxSum<T, C> w = lane < WARPS ? MaxSum<T, C>{pm[lane], pd[lane]} : MaxSum<T, C>::empty();
     w = group_allreduce<32>(w);
     if (lane == 0) { rm = w.m; rd = w.d; }
   }
   __syncthreads();
-  v = MaxSum<C>{rm, rd};
+  v = MaxSum<T, C>{rm, rd};
   __syncthreads();
   return v;
 }
@@ -282,5 +308,189 @@ __device__ __forceinline__ double cluster_load(unsigned addr, double) {
   asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(addr) : "memory");
   return v;
 }
+
+// All-reduce of one value per block across the CLUSTER blocks of a cluster (sm_90). `v` must
+// be the same in every thread of a block; every thread of every block must call it.
+template <typename Op, int CLUSTER, typename C> __device__ __forceinline__ C cluster_allreduce(C v) {
+  __shared__ C slot, result;
+  if (threadIdx.x == 0) slot = v;
+  cluster_sync();  // every block's value is written
+  if (threadIdx.x < 32) {
+    const unsigned lane = threadIdx.x;
+    C w = lane < CLUSTER ? cluster_load(cluster_map(&slot, lane), C()) : Op::template identity<C>();
+    w = group_allreduce<Op, 32>(w);
+    if (lane == 0) result = w;
+  }
+  cluster_sync();  // every remote read is done: slots may be rewritten or freed after this
+  return result;
+}
+
+// The same for an online softmax state: every block of the cluster gets the merged state.
+template <int CLUSTER, typename T, typename C>
+__device__ __forceinline__ MaxSum<T, C> cluster_allreduce(MaxSum<T, C> v) {
+  __shared__ C slot_m, slot_d, result_m, result_d;
+  if (threadIdx.x == 0) { slot_m = v.m; slot_d = v.d; }
+  cluster_sync();
+  if (threadIdx.x < 32) {
+    const unsigned lane = threadIdx.x;
+    MaxSum<T, C> w = MaxSum<T, C>::empty();
+    if (lane < CLUSTER) {
+      w = MaxSum<T, C>{cluster_load(cluster_map(&slot_m, lane), C()),
+                       cluster_load(cluster_map(&slot_d, lane), C())};
+    }
+    w = group_allreduce<32>(w);
+    if (lane == 0) { result_m = w.m; result_d = w.d; }
+  }
+  cluster_sync();
+  return MaxSum<T, C>{result_m, result_d};
+}
+
+// ---------------------------------------------------------------------------------------------
+// All-reduces whose shape is known only at run time, over reduction states.
+//
+// group_allreduce / block_allreduce above take the group width and block size as template
+// arguments. The versions below read them from the launch (group width = blockDim.x, block =
+// blockDim.x * blockDim.y threads, a multiple of 32 up to 1024), so a kernel need not be
+// instantiated once per shape; they also reduce across the blocks of a cluster.
+//
+// A state S is a trivial struct with
+//   static S identity();  static S merge(const S& a, const S& b);
+//   S shfl_xor(int mask) const;          (every lane of the warp calls it)
+//   static S remote(unsigned addr);      (reads a state from another block's shared memory)
+// Merges are applied in lane order (the lower lane's state first), so every participant ends
+// with bit-identical results even when merge is not commutative in floating point.
+
+__device__ __forceinline__ unsigned lane_id() {
+  unsigned l;
+  asm("mov.u32 %0, %%laneid;" : "=r"(l));
+  return l;
+}
+
+// K sums carried together (one shuffle round for all of them).
+template <typename C, int K> struct Sums {
+  C v[K];
+  static __device__ __forceinline__ Sums identity() {
+    Sums s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) s.v[k] = C(0);
+    return s;
+  }
+  static __device__ __forceinline__ Sums merge(const Sums& a, const Sums& b) {
+    Sums s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) s.v[k] = a.v[k] + b.v[k];
+    return s;
+  }
+  __device__ __forceinline__ Sums shfl_xor(int mask) const {
+    Sums s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) s.v[k] = __shfl_xor_sync(0xffffffffu, v[k], mask);
+    return s;
+  }
+  static __device__ __forceinline__ Sums remote(unsigned addr) {
+    Sums s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) s.v[k] = cluster_load(addr + k * sizeof(C), C());
+    return s;
+  }
+};
+
+// Welford's running (count, mean, sum of squared deviations). merge is Chan et al.'s pairwise
+// update: n = na + nb, d = mb - ma, m = ma + d * nb / n, M2 = M2a + M2b + d^2 * na * nb / n.
+template <typename C> struct Welford {
+  C n, mean, m2;
+  static __device__ __forceinline__ Welford identity() { return Welford{C(0), C(0), C(0)}; }
+  static __device__ __forceinline__ Welford merge(const Welford& a, const Welford& b) {
+    if (b.n == C(0)) return a;
+    if (a.n == C(0)) return b;
+    const C n = a.n + b.n;
+    const C d = b.mean - a.mean;
+    const C fb = b.n / n;
+    return Welford{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
+  }
+  // Folds N values in: their exact two-pass mean and M2, then one merge.
+  template <int N> __device__ __forceinline__ void add(const C* v) {
+    C s = C(0);
+#pragma unroll
+    for (int i = 0; i < N; ++i) s += v[i];
+    const C m = s / C(N);
+    C q = C(0);
+#pragma unroll
+    for (int i = 0; i < N; ++i) q += (v[i] - m) * (v[i] - m);
+    *this = merge(*this, Welford{C(N), m, q});
+  }
+  __device__ __forceinline__ Welford shfl_xor(int mask) const {
+    return Welford{__shfl_xor_sync(0xffffffffu, n, mask), __shfl_xor_sync(0xffffffffu, mean, mask),
+                   __shfl_xor_sync(0xffffffffu, m2, mask)};
+  }
+  static __device__ __forceinline__ Welford remote(unsigned addr) {
+    return Welford{cluster_load(addr, C()), cluster_load(addr + sizeof(C), C()),
+                   cluster_load(addr + 2 * sizeof(C), C())};
+  }
+};
+
+// All-reduce inside groups of `width` consecutive lanes (a power of two <= 32, the same for the
+// whole warp). Every lane of the warp must call it.
+template <typename S> __device__ __forceinline__ S allreduce_group(S v, int width) {
+  const unsigned lane = lane_id();
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) {
+    if (mask < width) {
+      const S o = v.shfl_xor(mask);
+      v = (lane & mask) ? S::merge(o, v) : S::merge(v, o);
+    }
+  }
+  return v;
+}
+
+// All-reduce over the whole block. Every thread must call it; it ends with a barrier, so calls
+// may follow each other.
+template <typename S> __device__ __forceinline__ S allreduce_block(S v) {
+  __shared__ S partial[32];
+  __shared__ S result;
+  const int tid = threadIdx.x + blockDim.x * threadIdx.y;
+  const int warp = tid / 32, nwarps = (blockDim.x * blockDim.y + 31) / 32;
+  const unsigned lane = lane_id();
+  v = allreduce_group(v, 32);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    S w = static_cast<int>(lane) < nwarps ? partial[lane] : S::identity();
+    w = allreduce_group(w, 32);
+    if (lane == 0) result = w;
+  }
+  __syncthreads();
+  v = result;
+  __syncthreads();
+  return v;
+}
+
+// All-reduce of one state per block across the CLUSTER blocks of a cluster (sm_90). `v` must be
+// the same in every thread of a block (the result of allreduce_block, say); every thread of
+// every block must call it. All blocks get bit-identical results.
+template <int CLUSTER, typename S> __device__ __forceinline__ S allreduce_cluster(S v) {
+  __shared__ S slot;
+  __shared__ S result;
+  const int tid = threadIdx.x + blockDim.x * threadIdx.y;
+  if (tid == 0) slot = v;
+  cluster_sync();  // every block's state is written
+  if (tid < 32) {
+    const unsigned lane = tid;
+    S w = lane < CLUSTER ? S::remote(cluster_map(&slot, lane)) : S::identity();
+    w = allreduce_group(w, 32);
+    if (lane == 0) result = w;
+  }
+  cluster_sync();  // every remote read is done (slots may be rewritten or freed after this)
+  return result;
+}
+
+// The packs [p0, p1) of `num_packs` that cluster rank `rank` of `cluster` blocks owns.
+__device__ __forceinline__ void cluster_pack_range(int num_packs, int cluster, unsigned rank,
+                                                   int& p0, int& p1) {
+  const int per = (num_packs + cluster - 1) / cluster;
+  p0 = min(num_packs, static_cast<int>(rank) * per);
+  p1 = min(num_packs, p0 + per);
+}
+
 
 }  // namespace cukern

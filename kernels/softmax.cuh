@@ -5,7 +5,8 @@
 //   *_block_smem      one block per row; the row is cached in shared memory in its storage type
 //   *_cluster         a cluster of CLUSTER blocks per row (sm_90): each block caches a slice,
 //                     and the partial reductions meet through distributed shared memory
-//   *_block_uncached  one block per row, the row is read again from global memory
+//   *_block_uncached  one block per row; an online (max, sum) pass, then the row is read again
+//                     from global memory (L2 often still holds it)
 // ALGO: 0 = softmax, 1 = log-softmax. STRIDED: general (outer, col, inner) addressing, PACK == 1.
 #pragma once
 #include "common.cuh"
@@ -14,10 +15,16 @@ namespace cukern {
 
 enum { kSoftmax = 0, kLogSoftmax = 1 };
 
-// y for one value, given the row max m and the row sum s of exp(x - m).
-template <int ALGO, typename C> __device__ __forceinline__ C softmax_out(C x, C m, C s) {
-  if (ALGO == kSoftmax) return Math<C>::exp(x - m) / s;
-  return (x - m) - Math<C>::log(s);
+// The per-row constant of the output, from the row sum s of exp(x - max): 1 / s for softmax,
+// log(s) for log-softmax.
+template <int ALGO, typename C> __device__ __forceinline__ C row_constant(C s) {
+  return ALGO == kSoftmax ? C(1) / s : Math<C>::log(s);
+}
+
+// y for one value, given the row max m and row_constant r.
+template <int ALGO, typename T, typename C> __device__ __forceinline__ C softmax_out(C x, C m, C r) {
+  if (ALGO == kSoftmax) return Num<T>::exp(x - m) * r;
+  return (x - m) - r;
 }
 
 // The per-row term summed by the backward: softmax sums dy * y, log-softmax sums dy.
@@ -26,9 +33,9 @@ template <int ALGO, typename C> __device__ __forceinline__ C grad_term(C y, C dy
 }
 
 // dx for one value, given the row sum s of grad_term.
-template <int ALGO, typename C> __device__ __forceinline__ C grad_out(C y, C dy, C s) {
+template <int ALGO, typename T, typename C> __device__ __forceinline__ C grad_out(C y, C dy, C s) {
   if (ALGO == kSoftmax) return (dy - s) * y;
-  return dy - Math<C>::exp(y) * s;
+  return dy - Num<T>::exp(y) * s;
 }
 
 #define CUKERN_LAYOUT_ARGS(p) i64 p##_outer, i64 p##_inner, i64 p##_col
@@ -78,11 +85,11 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
 #pragma unroll
       for (int i = 0; i < CPT; ++i) {
         if (ALGO == kSoftmax) {
-          buf[r][i] = Math<C>::exp(buf[r][i] - m[r]);
+          buf[r][i] = Num<T>::exp(buf[r][i] - m[r]);
           s[r] += buf[r][i];
         } else {
           buf[r][i] -= m[r];
-          s[r] += Math<C>::exp(buf[r][i]);
+          s[r] += Num<T>::exp(buf[r][i]);
         }
       }
     }
@@ -91,7 +98,7 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
 #pragma unroll
     for (int r = 0; r < RPA; ++r) {
       if (row0 + r >= rows) continue;
-      const C log_s = ALGO == kSoftmax ? C(0) : Math<C>::log(s[r]);
+      const C rc = row_constant<ALGO>(s[r]);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = (p * WIDTH + lane) * PACK;
@@ -100,7 +107,7 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
           const C v = buf[r][p * PACK + i];
-          out[i] = ALGO == kSoftmax ? v / s[r] : v - log_s;
+          out[i] = ALGO == kSoftmax ? v * rc : v - rc;
         }
         st.template store<PACK>(out, row0 + r, col);
       }
@@ -113,55 +120,32 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
 // packs t, t + BLOCK, ... in both passes, so the shared-memory cache needs no barrier of its own.
 // The first pass keeps an online (max, sum) state, so the row is read from memory once.
 
-// Pass 1 of a forward block kernel over packs [p0, p1): online max/sum, optionally caching.
-template <typename T, int PACK, int BLOCK, bool STRIDED, bool CACHE>
-__device__ __forceinline__ MaxSum<typename Num<T>::compute> softmax_scan(
-    const Load<T, typename Num<T>::compute, STRIDED>& ld,
-    const SmemRow<T, typename Num<T>::compute, PACK>& cache, i64 row, int p0, int p1) {
+// The online (max, sum) of packs [p0, p1) of a row, read from global memory.
+template <typename T, int PACK, int BLOCK, bool STRIDED>
+__device__ __forceinline__ MaxSum<T> softmax_scan(
+    const Load<T, typename Num<T>::compute, STRIDED>& ld, i64 row, int p0, int p1) {
   typedef typename Num<T>::compute C;
   constexpr int U = 4;  // packs in flight per thread
-  MaxSum<C> acc = MaxSum<C>::empty();
+  MaxSum<T> acc = MaxSum<T>::empty();
   int p = p0 + threadIdx.x;
   for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
-    C v[U][PACK];
+    Pack<T, PACK> v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) ld.template load<PACK>(v[u], row, (p + u * BLOCK) * PACK);
+    for (int u = 0; u < U; ++u) v[u] = ld.template raw<PACK>(row, (p + u * BLOCK) * PACK);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (CACHE) cache.put(p - p0 + u * BLOCK, v[u]);
-      acc.template add<PACK>(v[u]);
+      C c[PACK];
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v[u].elem[i]);
+      acc.template add<PACK>(c);
     }
   }
   for (; p < p1; p += BLOCK) {
-    C v[PACK];
-    ld.template load<PACK>(v, row, p * PACK);
-    if (CACHE) cache.put(p - p0, v);
-    acc.template add<PACK>(v);
+    C c[PACK];
+    ld.template load<PACK>(c, row, p * PACK);
+    acc.template add<PACK>(c);
   }
   return acc;
-}
-
-template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK>
-__global__ void __launch_bounds__(BLOCK)
-softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
-                   CUKERN_LAYOUT_ARGS(ys)) {
-  typedef typename Num<T>::compute C;
-  extern __shared__ uint4 smem_words[];
-  const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
-  const Load<T, C, STRIDED> ld{x, CUKERN_LAYOUT(xs)};
-  const Store<C, T, STRIDED> st{y, CUKERN_LAYOUT(ys)};
-  const int num_packs = cols / PACK;
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const MaxSum<C> ms =
-        block_allreduce<BLOCK>(softmax_scan<T, PACK, BLOCK, STRIDED, true>(ld, cache, row, 0, num_packs));
-    for (int p = threadIdx.x; p < num_packs; p += BLOCK) {
-      C v[PACK];
-      cache.get(p, v);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = softmax_out<ALGO>(v[i], ms.m, ms.d);
-      st.template store<PACK>(v, row, p * PACK);
-    }
-  }
 }
 
 template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK>
@@ -169,25 +153,30 @@ __global__ void __launch_bounds__(BLOCK)
 softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                        CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
-  const SmemRow<T, C, PACK> no_cache{nullptr};
   const Load<T, C, STRIDED> ld{x, CUKERN_LAYOUT(xs)};
   const Store<C, T, STRIDED> st{y, CUKERN_LAYOUT(ys)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const MaxSum<C> ms = block_allreduce<BLOCK>(
-        softmax_scan<T, PACK, BLOCK, STRIDED, false>(ld, no_cache, row, 0, num_packs));
+    const MaxSum<T> ms = block_allreduce<BLOCK>(
+        softmax_scan<T, PACK, BLOCK, STRIDED>(ld, row, 0, num_packs));
+    const C rc = row_constant<ALGO>(ms.d);
     for (int p = threadIdx.x; p < num_packs; p += BLOCK) {
       C v[PACK];
       ld.template load<PACK>(v, row, p * PACK);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = softmax_out<ALGO>(v[i], ms.m, ms.d);
+      for (int i = 0; i < PACK; ++i) v[i] = softmax_out<ALGO, T>(v[i], ms.m, rc);
       st.template store<PACK>(v, row, p * PACK);
     }
   }
 }
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-// Packs [p0, p1) of the row that cluster rank `rank` of CLUSTER owns.
+// ---------------------------------------------------------------------------------------------
+// Cached kernels: a block, or each block of a cluster of CLUSTER, keeps packs [p0, p1) of the row
+// in shared memory in the storage type. Thread t owns packs p0 + t, p0 + t + BLOCK, ... in every
+// pass, so the cache needs no barrier of its own. Grids are one wave of resident blocks, each
+// looping over rows.
+
+// The packs [p0, p1) of `num_packs` that cluster rank `rank` of `cluster` blocks owns.
 __device__ __forceinline__ void cluster_slice(int num_packs, int cluster, unsigned rank, int& p0,
                                               int& p1) {
   const int per = (num_packs + cluster - 1) / cluster;
@@ -195,68 +184,140 @@ __device__ __forceinline__ void cluster_slice(int num_packs, int cluster, unsign
   p1 = min(num_packs, p0 + per);
 }
 
-// Merges one value per block of the cluster; every thread of every block must call it.
-template <int CLUSTER, typename C, typename Merge>
-__device__ __forceinline__ void cluster_exchange(C* a, C* b, Merge merge, C& out_a, C& out_b) {
-  __shared__ C ra, rb;
-  cluster_sync();  // every block's partial is written
-  if (threadIdx.x < 32) {
-    const unsigned lane = threadIdx.x;
-    C va, vb;
-    merge.identity(va, vb);
-    if (lane < CLUSTER) {
-      va = cluster_load(cluster_map(a, lane), C());
-      vb = cluster_load(cluster_map(b, lane), C());
-    }
-#pragma unroll
-    for (int mask = 16; mask > 0; mask /= 2) {
-      C oa = __shfl_xor_sync(0xffffffffu, va, mask), ob = __shfl_xor_sync(0xffffffffu, vb, mask);
-      merge(va, vb, oa, ob);
-    }
-    if (lane == 0) { ra = va; rb = vb; }
-  }
-  cluster_sync();  // every block has read the partials (they may be overwritten or freed after)
-  out_a = ra;
-  out_b = rb;
+template <typename Op, int BLOCK, int CLUSTER, typename C>
+__device__ __forceinline__ C row_allreduce(C v) {
+  v = block_allreduce<Op, BLOCK>(v);
+  if constexpr (CLUSTER > 1) v = cluster_allreduce<Op, CLUSTER>(v);
+  return v;
 }
 
-template <typename C> struct MergeMaxSum {
-  __device__ void identity(C& m, C& d) const { m = -Math<C>::inf(); d = C(0); }
-  __device__ void operator()(C& m, C& d, C om, C od) const {
-    const MaxSum<C> r = MaxSum<C>::merge(MaxSum<C>{m, d}, MaxSum<C>{om, od});
-    m = r.m;
-    d = r.d;
+// Pass 1 for one row: its packs [p0, p1) into shared memory; returns this thread's online
+// (max, sum) state.
+template <typename T, int PACK, int BLOCK, bool STRIDED>
+__device__ __forceinline__ MaxSum<T> softmax_fill(const Load<T, typename Num<T>::compute, STRIDED>& ld,
+                                                  Pack<T, PACK>* cache, i64 row, int p0, int p1) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = 4;  // packs in flight per thread
+  MaxSum<T> ms = MaxSum<T>::empty();
+  int p = p0 + threadIdx.x;
+  for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
+    Pack<T, PACK> v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = ld.template raw<PACK>(row, (p + u * BLOCK) * PACK);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      cache[p - p0 + u * BLOCK].word = v[u].word;
+      C c[PACK];
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v[u].elem[i]);
+      ms.template add<PACK>(c);
+    }
   }
-};
+  for (; p < p1; p += BLOCK) {
+    const Pack<T, PACK> v = ld.template raw<PACK>(row, p * PACK);
+    cache[p - p0].word = v.word;
+    C c[PACK];
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v.elem[i]);
+    ms.template add<PACK>(c);
+  }
+  return ms;
+}
 
+// Rows row, row + row_step, ... with packs [p0, p1) of each cached in shared memory: pass 1
+// reads the row into shared memory keeping an online (max, sum); after one all-reduce, pass 2
+// writes the output from shared memory. Pass 2 of one row and pass 1 of the next run as one
+// loop: each thread reads its next-row packs into registers and writes out its current-row
+// packs from the slots they then take over, so reads and writes stay in flight together and
+// blocks that started in step do not stay in step.
+template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK, int CLUSTER>
+__device__ __forceinline__ void softmax_cached(const Load<T, typename Num<T>::compute, STRIDED>& ld,
+                                               const Store<typename Num<T>::compute, T, STRIDED>& st,
+                                               i64 rows, i64 row, i64 row_step, int p0, int p1) {
+  typedef typename Num<T>::compute C;
+  typedef Pack<T, PACK> P;
+  constexpr int U = 4;
+  extern __shared__ uint4 smem_words[];
+  P* cache = reinterpret_cast<P*>(smem_words);
+  if (row >= rows) return;  // uniform across the block (and the cluster)
+  MaxSum<T> ms = softmax_fill<T, PACK, BLOCK, STRIDED>(ld, cache, row, p0, p1);
+  for (;;) {
+    ms = block_allreduce<BLOCK>(ms);
+    if constexpr (CLUSTER > 1) ms = cluster_allreduce<CLUSTER>(ms);
+    const C m = ms.m, rc = row_constant<ALGO>(ms.d);
+    const i64 next = row + row_step;
+    const bool more = next < rows;  // uniform
+    MaxSum<T> ms_next = MaxSum<T>::empty();
+    int p = p0 + threadIdx.x;
+    for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
+      P nv[U];
+      if (more) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) nv[u] = ld.template raw<PACK>(next, (p + u * BLOCK) * PACK);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const P v = cache[p - p0 + u * BLOCK];
+        C out[PACK];
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) out[i] = softmax_out<ALGO, T>(Num<T>::to(v.elem[i]), m, rc);
+        st.template store<PACK>(out, row, (p + u * BLOCK) * PACK);
+      }
+      if (more) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          cache[p - p0 + u * BLOCK].word = nv[u].word;
+          C c[PACK];
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(nv[u].elem[i]);
+          ms_next.template add<PACK>(c);
+        }
+      }
+    }
+    for (; p < p1; p += BLOCK) {
+      P nv;
+      if (more) nv = ld.template raw<PACK>(next, p * PACK);
+      const P v = cache[p - p0];
+      C out[PACK];
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) out[i] = softmax_out<ALGO, T>(Num<T>::to(v.elem[i]), m, rc);
+      st.template store<PACK>(out, row, p * PACK);
+      if (more) {
+        cache[p - p0].word = nv.word;
+        C c[PACK];
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(nv.elem[i]);
+        ms_next.template add<PACK>(c);
+      }
+    }
+    if (!more) return;
+    row = next;
+    ms = ms_next;
+  }
+}
+
+template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
+                   CUKERN_LAYOUT_ARGS(ys)) {
+  typedef typename Num<T>::compute C;
+  softmax_cached<T, ALGO, STRIDED, PACK, BLOCK, 1>(
+      Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)},
+      rows, blockIdx.x, gridDim.x, 0, cols / PACK);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 template <typename T, int ALGO, int PACK, int BLOCK, int CLUSTER>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK)
 softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                 CUKERN_LAYOUT_ARGS(ys)) {
   constexpr bool STRIDED = false;
   typedef typename Num<T>::compute C;
-  extern __shared__ uint4 smem_words[];
-  __shared__ C part_m, part_d;
-  const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
-  const Load<T, C, STRIDED> ld{x, CUKERN_LAYOUT(xs)};
-  const Store<C, T, STRIDED> st{y, CUKERN_LAYOUT(ys)};
   int p0, p1;
   cluster_slice(cols / PACK, CLUSTER, cluster_rank(), p0, p1);
-  const i64 clusters = gridDim.x / CLUSTER;
-  for (i64 row = blockIdx.x / CLUSTER; row < rows; row += clusters) {
-    const MaxSum<C> mine =
-        block_allreduce<BLOCK>(softmax_scan<T, PACK, BLOCK, STRIDED, true>(ld, cache, row, p0, p1));
-    if (threadIdx.x == 0) { part_m = mine.m; part_d = mine.d; }
-    C m, s;
-    cluster_exchange<CLUSTER>(&part_m, &part_d, MergeMaxSum<C>(), m, s);
-    for (int p = p0 + threadIdx.x; p < p1; p += BLOCK) {
-      C v[PACK];
-      cache.get(p - p0, v);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = softmax_out<ALGO>(v[i], m, s);
-      st.template store<PACK>(v, row, p * PACK);
-    }
-  }
+  softmax_cached<T, ALGO, STRIDED, PACK, BLOCK, CLUSTER>(
+      Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)},
+      rows, blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1);
 }
 #endif
 
@@ -309,7 +370,7 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
         C out[PACK];
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
-          out[i] = grad_out<ALGO>(yb[r][p * PACK + i], db[r][p * PACK + i], s[r]);
+          out[i] = grad_out<ALGO, T>(yb[r][p * PACK + i], db[r][p * PACK + i], s[r]);
         }
         st.template store<PACK>(out, row0 + r, col);
       }
@@ -317,74 +378,173 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
   }
 }
 
-// Pass 1 of a backward block kernel over packs [p0, p1): the sum of grad_term, optionally caching.
-template <int ALGO, typename T, int PACK, int BLOCK, bool STRIDED, bool CACHE>
-__device__ __forceinline__ typename Num<T>::compute softmax_grad_scan(
+// Cached backward: y then dy of packs [p0, p1) in shared memory (`slice` packs apart).
+//   pass 1  global -> shared memory; the row sum of grad_term(y, dy)
+//   pass 2  shared memory -> global; dx
+// Pass 1 for one row of the backward: y and dy packs [p0, p1) into shared memory; returns this
+// thread's part of the row sum of grad_term.
+template <int ALGO, typename T, int PACK, int BLOCK, bool STRIDED>
+__device__ __forceinline__ typename Num<T>::compute softmax_grad_fill(
     const Load<T, typename Num<T>::compute, STRIDED>& ld_y,
-    const Load<T, typename Num<T>::compute, STRIDED>& ld_dy,
-    const SmemRow<T, typename Num<T>::compute, PACK>& cache_y,
-    const SmemRow<T, typename Num<T>::compute, PACK>& cache_dy, i64 row, int p0, int p1) {
+    const Load<T, typename Num<T>::compute, STRIDED>& ld_dy, Pack<T, PACK>* cache_y,
+    Pack<T, PACK>* cache_dy, i64 row, int p0, int p1) {
   typedef typename Num<T>::compute C;
-  constexpr int U = 2;
-  C acc = C(0);
+  constexpr int U = 2;  // pairs of packs in flight per thread
+  C s = C(0);
   int p = p0 + threadIdx.x;
   for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
-    C a[U][PACK], b[U][PACK];
+    Pack<T, PACK> a[U], b[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      ld_y.template load<PACK>(a[u], row, (p + u * BLOCK) * PACK);
-      ld_dy.template load<PACK>(b[u], row, (p + u * BLOCK) * PACK);
+      a[u] = ld_y.template raw<PACK>(row, (p + u * BLOCK) * PACK);
+      b[u] = ld_dy.template raw<PACK>(row, (p + u * BLOCK) * PACK);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (CACHE) {
-        cache_y.put(p - p0 + u * BLOCK, a[u]);
-        cache_dy.put(p - p0 + u * BLOCK, b[u]);
-      }
+      cache_y[p - p0 + u * BLOCK].word = a[u].word;
+      cache_dy[p - p0 + u * BLOCK].word = b[u].word;
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) acc += grad_term<ALGO>(a[u][i], b[u][i]);
+      for (int i = 0; i < PACK; ++i) {
+        s += grad_term<ALGO>(Num<T>::to(a[u].elem[i]), Num<T>::to(b[u].elem[i]));
+      }
     }
   }
   for (; p < p1; p += BLOCK) {
-    C a[PACK], b[PACK];
-    ld_y.template load<PACK>(a, row, p * PACK);
-    ld_dy.template load<PACK>(b, row, p * PACK);
-    if (CACHE) {
-      cache_y.put(p - p0, a);
-      cache_dy.put(p - p0, b);
-    }
+    const Pack<T, PACK> a = ld_y.template raw<PACK>(row, p * PACK);
+    const Pack<T, PACK> b = ld_dy.template raw<PACK>(row, p * PACK);
+    cache_y[p - p0].word = a.word;
+    cache_dy[p - p0].word = b.word;
 #pragma unroll
-    for (int i = 0; i < PACK; ++i) acc += grad_term<ALGO>(a[i], b[i]);
+    for (int i = 0; i < PACK; ++i) s += grad_term<ALGO>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]));
   }
-  return acc;
+  return s;
 }
 
-// Shared memory holds the y slice, then the dy slice, each `slice_packs` packs long.
+// Cached backward over rows row, row + row_step, ...: y then dy of packs [p0, p1) in shared
+// memory (`slice` packs apart). As in the forward, writing dx of one row and reading the next
+// row run as one loop.
+template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK, int CLUSTER>
+__device__ __forceinline__ void softmax_grad_cached(
+    const Load<T, typename Num<T>::compute, STRIDED>& ld_y,
+    const Load<T, typename Num<T>::compute, STRIDED>& ld_dy,
+    const Store<typename Num<T>::compute, T, STRIDED>& st, i64 rows, i64 row, i64 row_step, int p0,
+    int p1, int slice) {
+  typedef typename Num<T>::compute C;
+  typedef Pack<T, PACK> P;
+  constexpr int U = 2;
+  extern __shared__ uint4 smem_words[];
+  P* cache_y = reinterpret_cast<P*>(smem_words);
+  P* cache_dy = cache_y + slice;
+  if (row >= rows) return;  // uniform across the block (and the cluster)
+  C s = softmax_grad_fill<ALGO, T, PACK, BLOCK, STRIDED>(ld_y, ld_dy, cache_y, cache_dy, row, p0, p1);
+  for (;;) {
+    s = row_allreduce<SumOp, BLOCK, CLUSTER>(s);
+    const i64 next = row + row_step;
+    const bool more = next < rows;  // uniform
+    C s_next = C(0);
+    int p = p0 + threadIdx.x;
+    for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
+      P na[U], nb[U];
+      if (more) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          na[u] = ld_y.template raw<PACK>(next, (p + u * BLOCK) * PACK);
+          nb[u] = ld_dy.template raw<PACK>(next, (p + u * BLOCK) * PACK);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const P a = cache_y[p - p0 + u * BLOCK], b = cache_dy[p - p0 + u * BLOCK];
+        C out[PACK];
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) {
+          out[i] = grad_out<ALGO, T>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]), s);
+        }
+        st.template store<PACK>(out, row, (p + u * BLOCK) * PACK);
+      }
+      if (more) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          cache_y[p - p0 + u * BLOCK].word = na[u].word;
+          cache_dy[p - p0 + u * BLOCK].word = nb[u].word;
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) {
+            s_next += grad_term<ALGO>(Num<T>::to(na[u].elem[i]), Num<T>::to(nb[u].elem[i]));
+          }
+        }
+      }
+    }
+    for (; p < p1; p += BLOCK) {
+      P na, nb;
+      if (more) {
+        na = ld_y.template raw<PACK>(next, p * PACK);
+        nb = ld_dy.template raw<PACK>(next, p * PACK);
+      }
+      const P a = cache_y[p - p0], b = cache_dy[p - p0];
+      C out[PACK];
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) {
+        out[i] = grad_out<ALGO, T>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]), s);
+      }
+      st.template store<PACK>(out, row, p * PACK);
+      if (more) {
+        cache_y[p - p0].word = na.word;
+        cache_dy[p - p0].word = nb.word;
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) {
+          s_next += grad_term<ALGO>(Num<T>::to(na.elem[i]), Num<T>::to(nb.elem[i]));
+        }
+      }
+    }
+    if (!more) return;
+    row = next;
+    s = s_next;
+  }
+}
+
 template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
 softmax_grad_block_smem(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                         CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys),
                         CUKERN_LAYOUT_ARGS(dxs)) {
   typedef typename Num<T>::compute C;
-  extern __shared__ uint4 smem_words[];
-  const int num_packs = cols / PACK;
-  const SmemRow<T, C, PACK> cache_y{reinterpret_cast<T*>(smem_words)};
-  const SmemRow<T, C, PACK> cache_dy{reinterpret_cast<T*>(smem_words) + cols};
-  const Load<T, C, STRIDED> ld_y{y, CUKERN_LAYOUT(ys)};
-  const Load<T, C, STRIDED> ld_dy{dy, CUKERN_LAYOUT(dys)};
-  const Store<C, T, STRIDED> st{dx, CUKERN_LAYOUT(dxs)};
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C s = block_allreduce<SumOp, BLOCK>(softmax_grad_scan<ALGO, T, PACK, BLOCK, STRIDED, true>(
-        ld_y, ld_dy, cache_y, cache_dy, row, 0, num_packs));
-    for (int p = threadIdx.x; p < num_packs; p += BLOCK) {
-      C a[PACK], b[PACK];
-      cache_y.get(p, a);
-      cache_dy.get(p, b);
+  softmax_grad_cached<T, ALGO, STRIDED, PACK, BLOCK, 1>(
+      Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
+      Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x, gridDim.x, 0, cols / PACK,
+      cols / PACK);
+}
+
+// The sum of grad_term over packs [p0, p1), read from global memory (the uncached kernel).
+template <int ALGO, typename T, int PACK, int BLOCK, bool STRIDED>
+__device__ __forceinline__ typename Num<T>::compute softmax_grad_scan(
+    const Load<T, typename Num<T>::compute, STRIDED>& ld_y,
+    const Load<T, typename Num<T>::compute, STRIDED>& ld_dy, i64 row, int p0, int p1) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = 2;
+  C acc = C(0);
+  int p = p0 + threadIdx.x;
+  for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
+    Pack<T, PACK> a[U], b[U];
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) a[i] = grad_out<ALGO>(a[i], b[i], s);
-      st.template store<PACK>(a, row, p * PACK);
+    for (int u = 0; u < U; ++u) {
+      a[u] = ld_y.template raw<PACK>(row, (p + u * BLOCK) * PACK);
+      b[u] = ld_dy.template raw<PACK>(row, (p + u * BLOCK) * PACK);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) {
+        acc += grad_term<ALGO>(Num<T>::to(a[u].elem[i]), Num<T>::to(b[u].elem[i]));
+      }
     }
   }
+  for (; p < p1; p += BLOCK) {
+    const Pack<T, PACK> a = ld_y.template raw<PACK>(row, p * PACK);
+    const Pack<T, PACK> b = ld_dy.template raw<PACK>(row, p * PACK);
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) acc += grad_term<ALGO>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]));
+  }
+  return acc;
 }
 
 template <typename T, int ALGO, bool STRIDED, int PACK, int BLOCK>
@@ -393,65 +553,38 @@ softmax_grad_block_uncached(const T* y, const T* dy, T* dx, i64 rows, int cols, 
                             CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys),
                             CUKERN_LAYOUT_ARGS(dxs)) {
   typedef typename Num<T>::compute C;
-  const SmemRow<T, C, PACK> no_cache{nullptr};
   const Load<T, C, STRIDED> ld_y{y, CUKERN_LAYOUT(ys)};
   const Load<T, C, STRIDED> ld_dy{dy, CUKERN_LAYOUT(dys)};
   const Store<C, T, STRIDED> st{dx, CUKERN_LAYOUT(dxs)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C s = block_allreduce<SumOp, BLOCK>(softmax_grad_scan<ALGO, T, PACK, BLOCK, STRIDED, false>(
-        ld_y, ld_dy, no_cache, no_cache, row, 0, num_packs));
+    const C s = block_allreduce<SumOp, BLOCK>(
+        softmax_grad_scan<ALGO, T, PACK, BLOCK, STRIDED>(ld_y, ld_dy, row, 0, num_packs));
     for (int p = threadIdx.x; p < num_packs; p += BLOCK) {
       C a[PACK], b[PACK];
       ld_y.template load<PACK>(a, row, p * PACK);
       ld_dy.template load<PACK>(b, row, p * PACK);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) a[i] = grad_out<ALGO>(a[i], b[i], s);
+      for (int i = 0; i < PACK; ++i) a[i] = grad_out<ALGO, T>(a[i], b[i], s);
       st.template store<PACK>(a, row, p * PACK);
     }
   }
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-template <typename C> struct MergeSum {
-  __device__ void identity(C& a, C& b) const { a = C(0); b = C(0); }
-  __device__ void operator()(C& a, C& b, C oa, C ob) const { a += oa; b += ob; }
-};
-
-// Each block caches its slice of y then of dy: shared memory of 2 * slice_packs packs.
 template <typename T, int ALGO, int PACK, int BLOCK, int CLUSTER>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(BLOCK)
 softmax_grad_cluster(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                      CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys), CUKERN_LAYOUT_ARGS(dxs)) {
   constexpr bool STRIDED = false;
   typedef typename Num<T>::compute C;
-  extern __shared__ uint4 smem_words[];
-  __shared__ C part, unused;
   const int num_packs = cols / PACK;
   int p0, p1;
   cluster_slice(num_packs, CLUSTER, cluster_rank(), p0, p1);
-  const int slice = (num_packs + CLUSTER - 1) / CLUSTER;
-  const SmemRow<T, C, PACK> cache_y{reinterpret_cast<T*>(smem_words)};
-  const SmemRow<T, C, PACK> cache_dy{reinterpret_cast<T*>(smem_words) + slice * PACK};
-  const Load<T, C, STRIDED> ld_y{y, CUKERN_LAYOUT(ys)};
-  const Load<T, C, STRIDED> ld_dy{dy, CUKERN_LAYOUT(dys)};
-  const Store<C, T, STRIDED> st{dx, CUKERN_LAYOUT(dxs)};
-  const i64 clusters = gridDim.x / CLUSTER;
-  for (i64 row = blockIdx.x / CLUSTER; row < rows; row += clusters) {
-    const C mine = block_allreduce<SumOp, BLOCK>(softmax_grad_scan<ALGO, T, PACK, BLOCK, STRIDED, true>(
-        ld_y, ld_dy, cache_y, cache_dy, row, p0, p1));
-    if (threadIdx.x == 0) { part = mine; unused = C(0); }
-    C s, ignored;
-    cluster_exchange<CLUSTER>(&part, &unused, MergeSum<C>(), s, ignored);
-    for (int p = p0 + threadIdx.x; p < p1; p += BLOCK) {
-      C a[PACK], b[PACK];
-      cache_y.get(p - p0, a);
-      cache_dy.get(p - p0, b);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) a[i] = grad_out<ALGO>(a[i], b[i], s);
-      st.template store<PACK>(a, row, p * PACK);
-    }
-  }
+  softmax_grad_cached<T, ALGO, STRIDED, PACK, BLOCK, CLUSTER>(
+      Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
+      Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x / CLUSTER,
+      gridDim.x / CLUSTER, p0, p1, (num_packs + CLUSTER - 1) / CLUSTER);
 }
 #endif
 

@@ -44,18 +44,29 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(scope="session")
-def warm_kernels():
-    """Compile every kernel instantiation the planner can reach on this GPU, in parallel, into
-    CuPy's on-disk cache before the GPU tests time out one compile after another. It doubles as
-    the check that each of them compiles and loads on the device."""
+_warmed: dict[str, list] = {}
+
+
+def warm_family(family: str) -> None:
+    """Compile every kernel instantiation of ``kernels/<family>.cuh`` the planner can reach on
+    this GPU, in parallel, into CuPy's on-disk cache (once per session), so GPU tests do not
+    wait on one compile after another. It doubles as the check that each of them compiles and
+    loads on the device."""
     if GPU_REASON is not None:
         pytest.skip(f"GPU test: {GPU_REASON}")
-    from cukern import _compile, _dispatch
-    from cukern._device import DeviceSpec
+    if family not in _warmed:
+        from cukern import _compile, _dispatch
+        from cukern._device import DeviceSpec
 
-    spec = DeviceSpec.from_device()
-    names = sorted({(_dispatch.OPS[op].family, n) for op in _dispatch.OPS for dt in DTYPES
-                    for n in _dispatch.reachable_plans(op, dt, spec)})
-    errors = _compile.warm_cache(names, spec.device_id)
-    assert not errors, errors[:3]
+        spec = DeviceSpec.from_device()
+        names = sorted({(info.family, n) for op, info in _dispatch.OPS.items()
+                        if info.family == family for dt in DTYPES
+                        for n in _dispatch.reachable_plans(op, dt, spec)})
+        _warmed[family] = _compile.warm_cache(names, spec.device_id)
+    errors = _warmed[family]
+    assert not errors, f"{len(errors)} {family} kernels failed to compile: {errors[:3]}"
+
+
+@pytest.fixture(scope="session")
+def warm_softmax():
+    warm_family("softmax")

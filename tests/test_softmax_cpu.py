@@ -98,7 +98,8 @@ def test_block_smem_boundary(op, dtype):
     above = plan_rowwise(op, 1000, edge + _dispatch.pack_size(dtype, edge, 16, False), dtype,
                          H100)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
-    assert above.cluster == 2
+    assert above.cluster == 2  # the smallest cluster that holds the row
+    assert above.block[0] <= _dispatch.CLUSTER_MAX_BLOCK
     # Ampere has no clusters: the same row is read twice from memory
     a_edge = _smem_boundary(op, dtype, A100)
     assert plan_rowwise(op, 1000, a_edge, dtype, A100).variant is Variant.BLOCK_SMEM

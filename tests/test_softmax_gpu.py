@@ -13,7 +13,7 @@ from cukern._dispatch import OPS, Variant, max_dynamic_smem
 from .conftest import DTYPES, TOL
 
 cp = pytest.importorskip("cupy")
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_kernels")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_softmax")]
 
 FWD = ("softmax", "log_softmax")
 BWD = ("softmax_backward", "log_softmax_backward")
@@ -65,6 +65,9 @@ def check(op, host, dev, dtype, axis=-1, out=None):
     fresh = fn(*dev, axis=axis)
     assert fresh.dtype == dev[0].dtype and fresh.shape == dev[0].shape
     assert rel_err(fresh, ref) <= TOL[dtype]
+    again = fn(*dev, axis=axis)  # the cached fast path
+    assert again.data.ptr != fresh.data.ptr
+    assert bool(cp.array_equal(again, fresh, equal_nan=True))
     return got
 
 
@@ -148,6 +151,7 @@ def test_infinities_and_nan(cols, dtype, rng):
     x[0, ::2] = -np.inf  # partly -inf: zeros there
     x[1, :] = -np.inf  # all -inf: NaN, as NumPy and PyTorch
     x[2, cols // 2] = np.nan  # NaN poisons its row
+    x[3, : min(16, cols - 1)] = -np.inf  # leading packs of nothing but -inf
     d = cp.asarray(x.astype(np_dtype(dtype)))
     for op in FWD:
         got = cp.asnumpy(getattr(cukern, op)(d)).astype(np.float64)
@@ -157,6 +161,8 @@ def test_infinities_and_nan(cols, dtype, rng):
         if op == "softmax":
             assert (got[0, ::2] == 0).all()
         assert rel_err(got[[0, 3]], ref[[0, 3]]) < TOL[dtype]
+        if op == "softmax":
+            assert (got[3, : min(16, cols - 1)] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -306,3 +312,50 @@ def test_arrays_on_different_devices():
         y = cp.ones((4, 8), cp.float32)
     with pytest.raises(ValueError, match="GPU"):
         cukern.softmax_backward(x, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every variant pinned on shapes the planner would give to another, with small grids so the
+# grid-stride loops turn over, and clusters whose slices are partly empty.
+
+def pinned_plans(op, dtype, rows, cols):
+    from dataclasses import replace
+
+    from cukern import _dispatch
+
+    dev = spec()
+    pack = _dispatch.pack_size(dtype, cols, 16, False)
+    warp = _dispatch.plan_rowwise(op, rows, min(cols, 1024), dtype, dev)
+    common = dict(rows=rows, cols=cols, pack_size=pack, cols_per_thread=0,
+                  thread_group_width=0, rows_per_access=0, padding=False)
+    plans = []
+    if cols <= 1024:
+        plans.append(replace(_dispatch.plan_rowwise(op, rows, cols, dtype, dev), grid=1))
+    inputs = OPS[op].inputs
+    template = replace(warp, variant=Variant.BLOCK_SMEM, block=(128, 1), grid=2,
+                       smem_bytes=cols * ITEM[dtype] * inputs, **common)
+    if template.smem_bytes <= max_dynamic_smem(dev):
+        plans += [replace(template, block=(t, 1)) for t in (128, 256, 512, 1024)]
+    plans.append(replace(template, variant=Variant.BLOCK_UNCACHED, block=(1024, 1),
+                         smem_bytes=0))
+    if dev.has_clusters:
+        for size in (2, 4, 8):
+            per = -(-(cols // pack) // size)
+            plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
+                                 smem_bytes=per * pack * ITEM[dtype] * inputs))
+    return plans
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_pinned_variants(op, dtype, rng):
+    from cukern.ops.softmax import run_plan
+
+    for rows, cols in [(5, 1), (3, 7), (4, 64), (3, 1000), (5, 1025), (3, 4099), (2, 20000)]:
+        host, dev = inputs(op, (rows, cols), dtype, rng)
+        ref = getattr(reference, op)(*host)
+        for plan in pinned_plans(op, dtype, rows, cols):
+            out = cp.full((rows, cols), np.nan, dtype=dev[0].dtype)
+            run_plan(plan, *dev, out=out)
+            err = rel_err(out, ref)
+            assert err <= TOL[dtype], f"{plan.name_expression()} {rows}x{cols}: {err:.3g}"

@@ -106,9 +106,9 @@ def check_same(fn: str, ref_name: str, ref, arg: str, other) -> None:
     if other.dtype != ref.dtype:
         raise TypeError(f"{fn}: {arg} has dtype {other.dtype}, expected {ref.dtype} "
                         f"(the dtype of {ref_name})")
-    if other.device.id != ref.device.id:
-        raise ValueError(f"{fn}: {arg} is on GPU {other.device.id} but {ref_name} is on GPU "
-                         f"{ref.device.id}")
+    if other.data.device_id != ref.data.device_id:
+        raise ValueError(f"{fn}: {arg} is on GPU {other.data.device_id} but {ref_name} is on "
+                         f"GPU {ref.data.device_id}")
 
 
 def output(fn: str, like: Adapted, out):
@@ -154,6 +154,26 @@ def layout(a, axis: int):
         return None
     (outer, s_outer), (inner, s_inner) = before, after
     return outer * inner, cols, inner, s_outer, s_inner, s_col
+
+
+def trailing_layout(a, ndims: int):
+    """Describe ``a`` as (rows, cols) where cols is the product of its last ``ndims`` dimensions
+    (the row-wise view of a normalisation over trailing dimensions).
+
+    Returns (rows, cols, row_stride) in elements, or None when the trailing dimensions are not
+    one contiguous run or the leading dimensions cannot be walked with a single stride.
+    """
+    lead = len(a.shape) - ndims
+    item = a.itemsize
+    strides = tuple(s // item for s in a.strides)
+    before = _merge(a.shape[:lead], strides[:lead])
+    after = _merge(a.shape[lead:], strides[lead:])
+    if before is None or after is None:
+        return None
+    (rows, s_row), (cols, s_col) = before, after
+    if cols > 1 and s_col != 1:
+        return None
+    return rows, cols, s_row if rows > 1 else cols
 
 
 def _merge(shape, strides):
@@ -212,18 +232,34 @@ def kernel(plan: _dispatch.Plan, device_id: int):
     return kern
 
 
+try:  # CuPy passes pre-converted scalars through as they are: no per-call conversion
+    from cupy._core._scalar import CScalar as _CScalar
+except ImportError:  # pragma: no cover
+    _CScalar = None
+
+
+def _c_scalars(values: tuple) -> tuple:
+    if _CScalar is None:
+        return values
+    try:
+        return tuple(_CScalar(v) for v in values)
+    except Exception:  # pragma: no cover - a CuPy without this private constructor
+        return values
+
+
 class Launch:
     """A planned, compiled kernel with its fixed arguments: the cached result of planning."""
 
-    __slots__ = ("plan", "kernel", "grid", "block", "smem", "tail")
+    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "tail")
 
     def __init__(self, plan: _dispatch.Plan, device_id: int, tail: tuple):
         self.plan = plan
+        self.device_id = device_id
         self.kernel = kernel(plan, device_id)
         self.grid = (plan.grid,)
         self.block = plan.block
         self.smem = plan.smem_bytes
-        self.tail = tail
+        self.tail = _c_scalars(tail)
 
     def __call__(self, *arrays) -> None:
         self.kernel(self.grid, self.block, arrays + self.tail, shared_mem=self.smem)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _common as c
 from .. import _dispatch
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]
 
 _launches: dict[tuple, c.Launch] = {}
+# The fast path: (op, axis, shape, strides, dtype, pointer alignment, device) of a CuPy input
+# already validated and planned with a fresh C-contiguous output -> its Launch.
+_fresh: dict[tuple, c.Launch] = {}
+_ndarray = c.cp.ndarray if c.cp is not None else None
+_get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 
 
 def softmax(x, axis: int = -1, *, out=None):
@@ -39,6 +46,13 @@ def softmax(x, axis: int = -1, *, out=None):
     sectors for 2- to 8-byte elements, so expect a few times the time of the last axis. Views
     whose other dimensions cannot be described by one stride each are copied first.
     """
+    if out is None and type(x) is _ndarray and type(axis) is int:
+        launch = _fresh.get(("softmax", axis, x.shape, x.strides, x.dtype, x.data.ptr & 15,
+                             x.data.device_id))
+        if launch is not None and launch.device_id == _get_device():
+            y = c.cp.empty(x.shape, x.dtype)
+            launch(x, y)
+            return y
     return _run("softmax", ("x",), (x,), axis, out)
 
 
@@ -47,6 +61,13 @@ def log_softmax(x, axis: int = -1, *, out=None):
 
     Same arguments, dtypes, return kind and notes as :func:`softmax`.
     """
+    if out is None and type(x) is _ndarray and type(axis) is int:
+        launch = _fresh.get(("log_softmax", axis, x.shape, x.strides, x.dtype, x.data.ptr & 15,
+                             x.data.device_id))
+        if launch is not None and launch.device_id == _get_device():
+            y = c.cp.empty(x.shape, x.dtype)
+            launch(x, y)
+            return y
     return _run("log_softmax", ("x",), (x,), axis, out)
 
 
@@ -79,12 +100,17 @@ def _run(op: str, names: tuple, inputs: tuple, axis, out):
     if out is not None:
         c.check_aliasing(op, arrays, o)
     if first.size:
-        _launch(op, dtype, ax, arrays, o)
+        launch = _launch(op, dtype, ax, arrays, o)
+        if (out is None and len(arrays) == 1 and adapted[0].kind == "cupy"
+                and launch is not None):
+            _fresh[(op, axis, first.shape, first.strides, first.dtype, first.data.ptr & 15,
+                    first.data.device_id)] = launch
     return out if out is not None else adapted[0].wrap(o)
 
 
-def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> None:
-    dev = arrays[0].device.id
+def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> c.Launch | None:
+    """Plan (once per layout) and launch; returns the Launch, or None when copies were made."""
+    dev = arrays[0].data.device_id
     ptr_bits = o.data.ptr
     for a in arrays:
         ptr_bits |= a.data.ptr
@@ -96,13 +122,14 @@ def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> None:
         out_layout = c.layout(o, axis)
         if any(lay is None for lay in layouts) or out_layout is None:
             _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout)
-            return
+            return None
         launch = _launches[key] = _plan_launch(op, dtype, dev, arrays, o, layouts + [out_layout])
-    if dev == c.cp.cuda.runtime.getDevice():
+    if dev == _get_device():
         launch(*arrays, o)
     else:
         with c.cp.cuda.Device(dev):
             launch(*arrays, o)
+    return launch
 
 
 def _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout) -> None:
@@ -117,18 +144,38 @@ def _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout) -> None:
 
 
 def _plan_launch(op, dtype, dev, arrays, o, layouts) -> c.Launch:
-    import numpy as np
-
-    rows, cols, inner = layouts[0][:3]
+    rows, cols = layouts[0][:2]
     strided = any(lay[2] != 1 or lay[5] != 1 for lay in layouts)
     align = c.align_elems(arrays[0].itemsize, [a.data.ptr for a in arrays] + [o.data.ptr],
                           [lay[3] for lay in layouts] if rows > 1 else [])
     plan = _dispatch.plan_rowwise(op, rows, cols, dtype, c.device_spec(dev),
                                   c.driver_occupancy(dev), align_elems=align, strided=strided)
+    return c.Launch(plan, dev, _tail(layouts))
+
+
+def _tail(layouts) -> tuple:
+    """The kernels' scalar arguments: rows, cols, inner, then each array's three strides."""
+    rows, cols, inner = layouts[0][:3]
     tail = [np.int64(rows), np.int32(cols), np.int64(inner)]
     for lay in layouts:
         tail += [np.int64(lay[3]), np.int64(lay[4]), np.int64(lay[5])]
-    return c.Launch(plan, dev, tuple(tail))
+    return tuple(tail)
+
+
+def run_plan(plan: _dispatch.Plan, *arrays, axis: int = -1, out=None):
+    """Launch ``plan`` as given on CuPy arrays (no planning): for tests and benchmarks that pin
+    a variant. The arrays must match the plan's op, dtype, rows, cols, layout and alignment;
+    that is checked only as far as rows, cols and dtype."""
+    o = c.cp.empty(arrays[0].shape, arrays[0].dtype) if out is None else out
+    ax = c.normalize_axis(plan.op, axis, arrays[0].ndim)
+    layouts = [c.layout(a, ax) for a in (*arrays, o)]
+    if any(lay is None for lay in layouts) or layouts[0][:2] != (plan.rows, plan.cols):
+        raise ValueError(f"run_plan: arrays do not match the plan's rows and cols: {plan}")
+    if c.DTYPE_NAMES.get(arrays[0].dtype) != plan.dtype:
+        raise TypeError(f"run_plan: dtype {arrays[0].dtype} is not the plan's {plan.dtype}")
+    dev = arrays[0].data.device_id
+    c.Launch(plan, dev, _tail(layouts))(*arrays, o)
+    return o
 
 
 def last_plan(op: str):
