@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._device import DeviceSpec
 from ._dispatch import Plan, Variant
 from ._explain import explain
+from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
 
 __version__ = "0.1.0"
@@ -20,8 +21,12 @@ __all__ = [
     "Plan",
     "Variant",
     "explain",
+    "layer_norm",
+    "layer_norm_backward",
     "log_softmax",
     "log_softmax_backward",
+    "rms_norm",
+    "rms_norm_backward",
     "softmax",
     "softmax_backward",
     "__version__",

@@ -1,0 +1,357 @@
+"""Layer norm / RMS norm benchmark: effective bandwidth beside a same-size copy and peers.
+
+Sweeps (issue 3): cols 32..262144 with rows = 2**27 / cols, for float16, bfloat16 and float32,
+with weight (and bias, for layer norm):
+
+* forward, layer and RMS (statistics returned, as a training step needs them);
+* backward: dx plus dweight (and dbias);
+* the residual-fused forward (``residual=``) against cukern's own add followed by the norm.
+
+Peers in the same run: PyTorch (eager; ``native_layer_norm_backward`` for the layer-norm
+backward, autograd for RMS) and JAX (jit). Bytes counted (DESIGN.md section 7): forward x read
+and y written; backward x and dy read and dx written; residual forward x and residual read, y and
+h written. Weights, biases and per-row statistics are a vanishing fraction and are not counted.
+``pct_copy`` is an op's bandwidth over a same-size device copy's, measured in the same run.
+
+    python benchmarks/bench_layer_norm.py [--quick] [--out benchmarks/results] [--ops ...]
+
+Writes layer_norm_<device>.json and .png, prints a table and checks the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy and torch
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cukern  # noqa: E402
+from cukern import _bench, _compile, _dispatch  # noqa: E402
+from cukern._device import DeviceSpec  # noqa: E402
+from cukern.ops import layer_norm as ln  # noqa: E402
+
+DTYPES = ("float16", "bfloat16", "float32")
+OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward",
+       "layer_norm_residual", "rms_norm_residual")
+# Row-sized arrays each op must move (reads + writes).
+ARRAYS = {"layer_norm": 2, "rms_norm": 2, "layer_norm_backward": 3, "rms_norm_backward": 3,
+          "layer_norm_residual": 4, "rms_norm_residual": 4}
+EPS = {"layer": 1e-5, "rms": 1e-6}
+
+
+def _inputs(op: str, rows: int, cols: int, dtype, n_sets: int) -> list[dict]:
+    sets = []
+    for _ in range(n_sets):
+        d = {"x": cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype),
+             "w": (cp.random.standard_normal(cols, dtype=cp.float32) + 1).astype(dtype),
+             "b": cp.random.standard_normal(cols, dtype=cp.float32).astype(dtype)}
+        if op.endswith("backward"):
+            d["dy"] = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
+            if op.startswith("layer"):
+                _, d["mean"], d["rstd"] = cukern.layer_norm(d["x"], cols, d["w"], d["b"])
+            else:
+                _, d["rstd"] = cukern.rms_norm(d["x"], cols, d["w"])
+        if op.endswith("residual"):
+            d["r"] = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
+        sets.append(d)
+    return sets
+
+
+def _cukern_fns(op: str, sets, cols: int) -> dict:
+    """peer label -> fn(i) for cukern (and, for the residual ops, its unfused add + norm)."""
+    layer = op.startswith("layer")
+    if op in ("layer_norm", "rms_norm"):
+        if layer:
+            return {"cukern": lambda i: cukern.layer_norm(sets[i]["x"], cols, sets[i]["w"],
+                                                          sets[i]["b"])}
+        return {"cukern": lambda i: cukern.rms_norm(sets[i]["x"], cols, sets[i]["w"])}
+    if op.endswith("backward"):
+        if layer:
+            return {"cukern": lambda i: cukern.layer_norm_backward(
+                sets[i]["dy"], sets[i]["x"], sets[i]["mean"], sets[i]["rstd"], sets[i]["w"])}
+        return {"cukern": lambda i: cukern.rms_norm_backward(
+            sets[i]["dy"], sets[i]["x"], sets[i]["rstd"], sets[i]["w"])}
+    # residual: fused, and cukern's own add followed by the norm
+    if layer:
+        def fused(i):
+            s = sets[i]
+            return cukern.layer_norm(s["x"], cols, s["w"], s["b"], residual=s["r"])
+
+        def unfused(i):
+            s = sets[i]
+            h = s["x"] + s["r"]
+            return cukern.layer_norm(h, cols, s["w"], s["b"]), h
+    else:
+        def fused(i):
+            s = sets[i]
+            return cukern.rms_norm(s["x"], cols, s["w"], residual=s["r"])
+
+        def unfused(i):
+            s = sets[i]
+            h = s["x"] + s["r"]
+            return cukern.rms_norm(h, cols, s["w"]), h
+    return {"cukern": fused, "cukern_add_then_norm": unfused}
+
+
+def _torch_fn(op: str, sets, cols: int):
+    import torch
+    import torch.nn.functional as F
+
+    layer = op.startswith("layer")
+    t = [{k: torch.from_dlpack(v) for k, v in s.items()} for s in sets]
+    eps = EPS["layer" if layer else "rms"]
+
+    def rms(x, w):
+        if hasattr(F, "rms_norm"):
+            return F.rms_norm(x, (cols,), w, eps)
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w
+
+    if op == "layer_norm":
+        return lambda i: torch.ops.aten.native_layer_norm(t[i]["x"], [cols], t[i]["w"],
+                                                          t[i]["b"], eps)
+    if op == "rms_norm":
+        return lambda i: rms(t[i]["x"], t[i]["w"])
+    if op == "layer_norm_backward":
+        for s in t:
+            _, s["tmean"], s["trstd"] = torch.ops.aten.native_layer_norm(s["x"], [cols], s["w"],
+                                                                         s["b"], eps)
+        return lambda i: torch.ops.aten.native_layer_norm_backward(
+            t[i]["dy"], t[i]["x"], [cols], t[i]["tmean"], t[i]["trstd"], t[i]["w"], t[i]["b"],
+            [True, True, True])
+    if op == "rms_norm_backward":
+        for s in t:
+            s["xr"] = s["x"].detach().requires_grad_()
+            s["wr"] = s["w"].detach().requires_grad_()
+            s["y"] = rms(s["xr"], s["wr"])
+        return lambda i: torch.autograd.grad(t[i]["y"], (t[i]["xr"], t[i]["wr"]), t[i]["dy"],
+                                             retain_graph=True)
+    if op == "layer_norm_residual":
+        def run(i):
+            h = t[i]["x"] + t[i]["r"]
+            return torch.ops.aten.native_layer_norm(h, [cols], t[i]["w"], t[i]["b"], eps), h
+        return run
+
+    def run_rms(i):
+        h = t[i]["x"] + t[i]["r"]
+        return rms(h, t[i]["w"]), h
+
+    return run_rms
+
+
+def _jax_fn(op: str, sets, cols: int):
+    import jax
+    import jax.numpy as jnp
+
+    layer = op.startswith("layer")
+    eps = EPS["layer" if layer else "rms"]
+
+    def norm(x, w, b):
+        xf = x.astype(jnp.float32)
+        if layer:
+            m = xf.mean(-1, keepdims=True)
+            v = ((xf - m) ** 2).mean(-1, keepdims=True)
+            y = (xf - m) * jax.lax.rsqrt(v + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)
+        else:
+            ms = (xf * xf).mean(-1, keepdims=True)
+            y = xf * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    j = [{k: jnp.from_dlpack(v) for k, v in s.items() if k in ("x", "w", "b", "dy", "r")}
+         for s in sets]
+    if op in ("layer_norm", "rms_norm"):
+        f = jax.jit(norm)
+        call = lambda i: f(j[i]["x"], j[i]["w"], j[i]["b"])  # noqa: E731
+    elif op.endswith("backward"):
+        f = jax.jit(lambda x, w, b, dy: jax.vjp(norm, x, w, b)[1](dy))
+        call = lambda i: f(j[i]["x"], j[i]["w"], j[i]["b"], j[i]["dy"])  # noqa: E731
+    else:
+        f = jax.jit(lambda x, r, w, b: (norm(x + r, w, b), x + r))
+        call = lambda i: f(j[i]["x"], j[i]["r"], j[i]["w"], j[i]["b"])  # noqa: E731
+    last = []
+
+    def run(i):
+        last[:] = [call(i)]
+
+    def sync():
+        if last:
+            jax.block_until_ready(last[0])
+
+    return run, sync
+
+
+def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list[dict]:
+    rows_fn = lambda c: max(1, 2**27 // c)  # noqa: E731
+    results, copy_cache = [], {}
+    for name in dtypes:
+        dtype = _bench._np_dtype(name)
+        item = np.dtype(dtype).itemsize
+        for cols in cols_list:
+            rows = rows_fn(cols)
+            array_bytes = rows * cols * item
+            moved = ARRAYS[op] * array_bytes
+            if array_bytes not in copy_cache:
+                copy_cache[array_bytes] = _bench.copy_ms(array_bytes, reps)
+            c_ms = copy_cache[array_bytes]
+            copy_gbps = 2 * array_bytes / c_ms / 1e6
+            row = dict(op=op, dtype=name, rows=rows, cols=cols)
+            results.append(dict(row, peer="copy", ms=c_ms, gbps=copy_gbps, pct_copy=100.0))
+            n_sets = _bench._sets(moved)
+            sets = _inputs(op, rows, cols, dtype, n_sets)
+            fns = [(label, fn, "cupy", None) for label, fn in _cukern_fns(op, sets, cols).items()]
+            for peer in peers:
+                try:
+                    if peer == "torch":
+                        fns.append(("torch", _torch_fn(op, sets, cols), "torch", None))
+                    elif peer == "jax":
+                        run, sync = _jax_fn(op, sets, cols)
+                        fns.append(("jax", run, "wall", sync))
+                except ImportError:
+                    continue
+            for label, fn, events, sync in fns:
+                try:
+                    ms = _bench.time_gpu(fn, n_sets, reps, sync=sync, events=events)
+                except Exception as err:  # a peer that cannot run a shape is reported
+                    results.append(dict(row, peer=label, ms=float("nan"), gbps=float("nan"),
+                                        pct_copy=float("nan"), error=str(err)[:200]))
+                    continue
+                gbps = moved / ms / 1e6
+                results.append(dict(row, peer=label, ms=ms, gbps=gbps,
+                                    pct_copy=100.0 * gbps / copy_gbps))
+                if label == "cukern":  # the plan it ran
+                    plan = ln.last_plan(op.replace("_residual", ""))
+                    results[-1]["variant"] = plan.variant.value if plan else ""
+            del sets, fns
+            cp.get_default_memory_pool().free_all_blocks()
+            try:
+                import torch
+
+                torch.cuda.empty_cache()
+            except ImportError:
+                pass
+    return results
+
+
+def check_targets(results) -> list[str]:
+    """The issue's speed targets, one line per miss (empty when all are met)."""
+    misses = []
+    keyed = {}
+    for r in results:
+        keyed.setdefault((r["op"], r["dtype"], r["cols"]), {})[r["peer"]] = r
+    for (op, dt, cols), d in sorted(keyed.items()):
+        ours = d.get("cukern", {}).get("pct_copy", float("nan"))
+        if op in ("layer_norm", "rms_norm"):
+            need = 95 if cols <= 32768 else 90
+            if not ours >= need:
+                misses.append(f"{op} {dt} cols={cols}: {ours:.1f}% of copy < {need}%")
+        elif op.endswith("backward"):
+            if 256 <= cols <= 32768 and not ours >= 85:
+                misses.append(f"{op} {dt} cols={cols}: {ours:.1f}% of copy < 85%")
+            theirs = d.get("torch", {}).get("ms", float("nan"))
+            if d.get("cukern", {}).get("ms", float("inf")) >= theirs:
+                misses.append(f"{op} {dt} cols={cols}: not faster than torch "
+                              f"({d['cukern']['ms']:.3f} vs {theirs:.3f} ms)")
+        else:
+            fused = d.get("cukern", {}).get("ms", float("inf"))
+            unfused = d.get("cukern_add_then_norm", {}).get("ms", float("nan"))
+            # the add then the norm move 5 arrays, the fused op 4: it must save that 1/5
+            if not fused <= unfused * 4 / 5:
+                misses.append(f"{op} {dt} cols={cols}: fused {fused:.3f} ms vs add + norm "
+                              f"{unfused:.3f} ms (needs <= {unfused * 0.8:.3f})")
+    return misses
+
+
+def host_overhead_us(n: int = 20000) -> dict:
+    """Microseconds of host time per call on a tiny array."""
+    x = cp.random.standard_normal((4, 64), dtype=cp.float32)
+    w, b = cp.ones(64, cp.float32), cp.zeros(64, cp.float32)
+    _, mean, rstd = cukern.layer_norm(x, 64, w, b)
+    out = {}
+    for label, fn in (("layer_norm", lambda: cukern.layer_norm(x, 64, w, b)),
+                      ("rms_norm", lambda: cukern.rms_norm(x, 64, w)),
+                      ("layer_norm_backward",
+                       lambda: cukern.layer_norm_backward(x, x, mean, rstd, w)),
+                      ("cupy_empty_like", lambda: cp.empty_like(x))):
+        for _ in range(200):
+            fn()
+        cp.cuda.Device().synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n // 5):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / (n // 5) * 1e6)
+            cp.cuda.Device().synchronize()
+        out[label] = best
+    return out
+
+
+def table(results) -> None:
+    peers = ["cukern", "cukern_add_then_norm", "torch", "jax"]
+    print(f"{'op':22s} {'dtype':9s} {'cols':>7s} {'variant':15s} {'copy GB/s':>9s} "
+          + " ".join(f"{p[:12] + ' %':>14s}" for p in peers))
+    keyed = {}
+    for r in results:
+        keyed.setdefault((r["op"], r["dtype"], r["cols"]), {})[r["peer"]] = r
+    for (op, dt, cols), d in keyed.items():
+        cells = " ".join(f"{d[p]['pct_copy']:14.1f}" if p in d else f"{'-':>14s}" for p in peers)
+        variant = d.get("cukern", {}).get("variant", "")
+        print(f"{op:22s} {dt:9s} {cols:7d} {variant:15s} {d['copy']['gbps']:9.0f} {cells}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    args = ap.parse_args()
+    spec = DeviceSpec.from_device()
+    tag = re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
+    ops = args.ops.split(",")
+    dtypes = args.dtypes.split(",")
+    reps = 10 if args.quick else 30
+    cols_list = _bench.default_cols(32, 262144)
+    if args.quick:
+        cols_list = cols_list[::3]
+
+    t0 = time.time()
+    plan_ops = {op.replace("_residual", "") for op in ops}
+    names = {(_dispatch.OPS[op].family, n) for op in plan_ops for dt in dtypes
+             for n in _dispatch.reachable_plans(op, dt, spec)}
+    errors = _compile.warm_cache(sorted(names), spec.device_id)
+    print(f"compiled {len(names)} kernels in {time.time() - t0:.0f} s, {len(errors)} errors",
+          flush=True)
+    for e in errors[:5]:
+        print("  ", e[:300])
+
+    results = []
+    for op in ops:
+        results += sweep(op, dtypes, cols_list, reps)
+        print(f"{op}: done", flush=True)
+    overhead = host_overhead_us()
+    payload = dict(device=spec.name, cupy=cp.__version__, results=results,
+                   host_overhead_us=overhead)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"layer_norm_{tag}{'_quick' if args.quick else ''}")
+    with open(base + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    _bench.plot(results, base + ".png", title=f"cukern layer norm / RMS norm on {spec.name} "
+                "(rows = 2^27 / cols; % of a same-size device copy)")
+    table(results)
+    print("host overhead (us per call):", {k: round(v, 2) for k, v in overhead.items()})
+    misses = check_targets(results)
+    print(f"targets: {'all met' if not misses else f'{len(misses)} missed'}")
+    for m in misses:
+        print("  ", m)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""Layer norm and RMS norm, forward and backward, over the trailing dimensions of a CuPy (or
+DLPack) array, with optional affine parameters and a fused residual add."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .. import _dispatch
+from . import _common as c
+
+__all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
+
+_NULL = np.uint64(0)  # a null pointer argument
+_INT32_MAX = 2**31 - 1
+_launches: dict[tuple, _Launches] = {}
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
+               residual=None, return_stats: bool = True):
+    """Layer normalisation over the trailing dimensions ``normalized_shape`` of ``x``.
+
+    For each row (the ``n = prod(normalized_shape)`` trailing values at one index of the leading
+    dimensions)::
+
+        mean = sum(x) / n
+        var  = sum((x - mean)**2) / n          (biased; computed as exact two passes or Welford,
+                                                never as E[x^2] - E[x]^2)
+        rstd = 1 / sqrt(var + eps)
+        y    = (x - mean) * rstd * weight + bias
+
+    Parameters
+    ----------
+    x : cupy.ndarray or a GPU array with ``__dlpack__`` (PyTorch, JAX)
+        float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or float64, any shape and strides.
+        Half-precision inputs are computed in float32; float and double in their own type.
+    normalized_shape : int or tuple of int
+        The trailing dimensions to normalise over (PyTorch's meaning): ``x.shape[-k:]`` must
+        equal it.
+    weight, bias : array of shape ``normalized_shape``, optional
+        gamma and beta, of ``x``'s dtype and device. Either may be omitted.
+    eps : float
+        Added to the variance; finite and > 0.
+    residual : array, optional
+        Same shape, dtype and device as ``x``. The kernel normalises ``h = x + residual``
+        (rounded to ``x``'s dtype, as a separate add would) and also returns ``h``: one read of
+        each input and one write of each output, the "add then norm" of a transformer block.
+    return_stats : bool
+        Whether to return ``mean`` and ``rstd`` (what :func:`layer_norm_backward` needs).
+
+    Returns
+    -------
+    ``(y, mean, rstd)``; ``(y, mean, rstd, h)`` with a residual; ``y`` alone with
+    ``return_stats=False``, ``(y, h)`` with a residual. ``y`` and ``h`` have ``x``'s shape and
+    dtype; ``mean`` and ``rstd`` have shape ``x.shape[:-k]`` and dtype float32 (float64 for
+    float64 input), the statistics of ``h`` when there is a residual. Results are of the same
+    kind as ``x`` (CuPy in, CuPy out; PyTorch and JAX arrays come back as their own kind,
+    shared through DLPack without a copy).
+
+    Notes
+    -----
+    Runs on ``x``'s GPU and CuPy's current stream. The trailing dimensions must form one
+    contiguous run in memory for the fast path (rows may have any stride, as in ``x[:, :k]``);
+    other layouts are copied first. An empty normalised shape product gives NaN statistics.
+    """
+    return _forward("layer_norm", x, normalized_shape, weight, bias, eps, residual, return_stats)
+
+
+def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6, *, residual=None,
+             return_stats: bool = True):
+    """RMS normalisation over the trailing dimensions ``normalized_shape`` of ``x``::
+
+        rstd = 1 / sqrt(sum(x**2) / n + eps)
+        y    = x * rstd * weight
+
+    Same arguments, dtypes, layouts and return kinds as :func:`layer_norm`, with no bias and no
+    mean: returns ``(y, rstd)``; ``(y, rstd, h)`` with a residual; ``y`` with
+    ``return_stats=False``, ``(y, h)`` with a residual.
+    """
+    return _forward("rms_norm", x, normalized_shape, weight, None, eps, residual, return_stats)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None):
+    """Gradients of :func:`layer_norm`, given the gradient ``dy`` of its output ``y``.
+
+    With ``xhat = (x - mean) * rstd`` and ``g = dy * weight`` (``dy`` without a weight), per row
+    of ``n`` values::
+
+        dx      = rstd * (g - mean(g) - xhat * mean(g * xhat))
+        dweight = sum over rows of dy * xhat
+        dbias   = sum over rows of dy
+
+    ``dweight`` and ``dbias`` are summed in float32 (float64 for float64 input): float32 partial
+    sums per thread block, then one reduction of those; never in half precision.
+
+    Parameters
+    ----------
+    dy, x : arrays of one shape, dtype and device
+        ``x`` is the forward's input (with a residual: the sum ``h`` it returned).
+    mean, rstd : arrays of shape ``x.shape[:-k]``
+        The statistics :func:`layer_norm` returned, float32 (float64 for float64 ``x``).
+    weight : array, optional
+        The forward's weight; its shape is ``normalized_shape``. Without it, ``k`` is
+        ``x.ndim - mean.ndim``.
+
+    Returns
+    -------
+    ``(dx, dweight, dbias)``: ``dx`` like ``x``; ``dweight`` and ``dbias`` of shape
+    ``normalized_shape`` and ``x``'s dtype, or both None when ``weight`` is None (the forward
+    had no parameters to differentiate; with a bias but no weight, ``dbias`` is ``dy`` summed
+    over the leading dimensions).
+    """
+    return _backward("layer_norm_backward", dy, x, mean, rstd, weight)
+
+
+def rms_norm_backward(dy, x, rstd, weight=None):
+    """Gradients of :func:`rms_norm`, given the gradient ``dy`` of its output.
+
+    With ``xhat = x * rstd`` and ``g = dy * weight``::
+
+        dx      = rstd * (g - xhat * mean(g * xhat))
+        dweight = sum over rows of dy * xhat
+
+    Arguments as for :func:`layer_norm_backward` without ``mean``. Returns ``(dx, dweight)``;
+    ``dweight`` is None when ``weight`` is None.
+    """
+    return _backward("rms_norm_backward", dy, x, None, rstd, weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation.
+
+def _normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
+    ns = normalized_shape
+    if isinstance(ns, (bool, np.bool_)):
+        raise TypeError(f"{fn}: normalized_shape must be an int or a tuple of ints, got bool")
+    if isinstance(ns, (int, np.integer)):
+        ns = (int(ns),)
+    elif isinstance(ns, (tuple, list)) and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in ns):
+        ns = tuple(int(n) for n in ns)
+    else:
+        raise TypeError(f"{fn}: normalized_shape must be an int or a tuple of ints, got "
+                        f"{normalized_shape!r}")
+    if not ns:
+        raise ValueError(f"{fn}: normalized_shape is empty; name at least one trailing dimension")
+    if len(ns) > x.ndim or tuple(x.shape[x.ndim - len(ns):]) != ns:
+        raise ValueError(f"{fn}: normalized_shape {ns} does not match the trailing dimensions of "
+                         f"x, whose shape is {tuple(x.shape)}")
+    return ns
+
+
+def _eps(fn: str, eps) -> float:
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{fn}: eps must be a real number, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"{fn}: eps must be finite and > 0, got {eps}")
+    return eps
+
+
+def _param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
+    """A weight or bias: shape ``ns`` (any non-empty shape when ns is None), x's dtype and
+    device; returned contiguous."""
+    a = c.adapt(fn, name, p).array
+    if ns is not None and tuple(a.shape) != ns:
+        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {ns} "
+                         f"(normalized_shape)")
+    if a.dtype != x.dtype:
+        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {x.dtype} (the dtype of x)")
+    if a.data.device_id != x.data.device_id:
+        raise ValueError(f"{fn}: {name} is on GPU {a.data.device_id} but x is on GPU "
+                         f"{x.data.device_id}")
+    return a if a.flags.c_contiguous else c.cp.ascontiguousarray(a)
+
+
+def _stat_dtype(dtype: str):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def _check_stat(fn: str, name: str, s, x, expected: tuple[int, ...], dtype: str):
+    if tuple(s.shape) != expected:
+        raise ValueError(f"{fn}: {name} has shape {tuple(s.shape)}, expected {expected} (the "
+                         f"leading dimensions of x, whose shape is {tuple(x.shape)})")
+    want = np.dtype(_stat_dtype(dtype))
+    if s.dtype != want:
+        raise TypeError(f"{fn}: {name} has dtype {s.dtype}, expected {want} (the statistics "
+                        f"dtype for {dtype} input)")
+    if s.data.device_id != x.data.device_id:
+        raise ValueError(f"{fn}: {name} is on GPU {s.data.device_id} but x is on GPU "
+                         f"{x.data.device_id}")
+    return s if s.flags.c_contiguous else c.cp.ascontiguousarray(s)
+
+
+def _rows_view(a, k: int):
+    """(array, row_stride): ``a`` itself when its trailing k dims are one contiguous run and its
+    leading dims one stride, else a contiguous copy."""
+    lay = c.trailing_layout(a, k)
+    if lay is None:
+        a = c.cp.ascontiguousarray(a)
+        lay = c.trailing_layout(a, k)
+    return a, lay[2]
+
+
+class _Launches:
+    """The cached plan and launches for one (op, layout, switches) key."""
+
+    __slots__ = ("main", "nacc", "prows", "reduce")
+
+    def __init__(self, main: c.Launch, reduce=None, prows: int = 0, nacc: int = 0):
+        self.main = main
+        self.reduce = reduce
+        self.prows = prows
+        self.nacc = nacc
+
+
+def _plan(op: str, dtype: str, dev: int, rows: int, cols: int, pointers, strides,
+          extra: tuple[str, ...]) -> _dispatch.Plan:
+    align = c.align_elems(_dispatch.ITEMSIZE[dtype], pointers, strides if rows > 1 else [])
+    return _dispatch.plan_rowwise(op, rows, cols, dtype, c.device_spec(dev),
+                                  c.driver_occupancy(dev), align_elems=align, extra=extra)
+
+
+def _on_device(dev: int):
+    """A context that makes ``dev`` current (a no-op when it already is)."""
+    import contextlib
+
+    if dev == c.cp.cuda.runtime.getDevice():
+        return contextlib.nullcontext()
+    return c.cp.cuda.Device(dev)
+
+
+def _tf(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats):
+    ax = c.adapt(op, "x", x)
+    xa = ax.array
+    dtype = c.dtype_name(op, "x", xa)
+    ns = _normalized_shape(op, normalized_shape, xa)
+    eps = _eps(op, eps)
+    w = None if weight is None else _param(op, "weight", weight, xa, ns)
+    b = None if bias is None else _param(op, "bias", bias, xa, ns)
+    r = None
+    if residual is not None:
+        r = c.adapt(op, "residual", residual).array
+        c.check_same(op, "x", xa, "residual", r)
+    k = len(ns)
+    lead = tuple(xa.shape[:xa.ndim - k])
+    rows, cols = math.prod(lead), math.prod(ns)
+    if cols > _INT32_MAX:
+        raise ValueError(f"{op}: normalized_shape {ns} has {cols} elements; at most "
+                         f"{_INT32_MAX} are supported")
+    layer = op == "layer_norm"
+    sdt = _stat_dtype(dtype)
+    dev = xa.data.device_id
+    with _on_device(dev):
+        y = c.cp.empty(xa.shape, xa.dtype)
+        h = c.cp.empty(xa.shape, xa.dtype) if r is not None else None
+        mean = c.cp.empty(lead, sdt) if return_stats and layer else None
+        rstd = c.cp.empty(lead, sdt) if return_stats else None
+        if rows and cols:
+            xv, sx = _rows_view(xa, k)
+            rv, sr = _rows_view(r, k) if r is not None else (None, 0)
+            extra = (_tf(w is not None), _tf(b is not None), _tf(r is not None))
+            ptrs = [a.data.ptr for a in (xv, rv, w, b, y, h) if a is not None]
+            bits = 0
+            for p in ptrs:
+                bits |= p
+            key = (op, dev, dtype, xa.shape, k, sx, sr, extra, bits & 15)
+            launch = _launches.get(key)
+            if launch is None:
+                plan = _plan(op, dtype, dev, rows, cols, ptrs,
+                             [sx] + ([sr] if rv is not None else []), extra)
+                tail = (np.int64(rows), np.int32(cols), np.int64(sx), np.int64(sr),
+                        np.int64(cols), np.int64(cols))
+                launch = _launches[key] = _Launches(c.Launch(plan, dev, tail))
+            launch.main(xv, _arg(rv), _arg(w), _arg(b), y, _arg(h), _arg(mean), _arg(rstd),
+                        sdt(eps))
+        elif rows and return_stats:  # nothing to normalise: the statistics of no values
+            rstd.fill(np.nan)
+            if mean is not None:
+                mean.fill(np.nan)
+    wrap = ax.wrap
+    if not return_stats:
+        return (wrap(y), wrap(h)) if h is not None else wrap(y)
+    out = (wrap(y), wrap(mean), wrap(rstd)) if layer else (wrap(y), wrap(rstd))
+    return out + (wrap(h),) if h is not None else out
+
+
+def _arg(a):
+    return _NULL if a is None else a
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+def _backward(op: str, dy, x, mean, rstd, weight):
+    layer = op == "layer_norm_backward"
+    ax = c.adapt(op, "x", x)
+    xa = ax.array
+    dtype = c.dtype_name(op, "x", xa)
+    dya = c.adapt(op, "dy", dy).array
+    c.check_same(op, "x", xa, "dy", dya)
+    stats = [("mean", mean)] if layer else []
+    stats = [(n, c.adapt(op, n, s).array) for n, s in stats + [("rstd", rstd)]]
+    w = None
+    if weight is not None:
+        w = _param(op, "weight", weight, xa, None)
+        ns = tuple(w.shape)
+        if not ns or len(ns) > xa.ndim or tuple(xa.shape[xa.ndim - len(ns):]) != ns:
+            raise ValueError(f"{op}: weight has shape {ns}, which does not match the trailing "
+                             f"dimensions of x, whose shape is {tuple(xa.shape)}")
+        k = len(ns)
+    else:
+        first, s0 = stats[0]
+        k = xa.ndim - s0.ndim
+        if k < 1 or tuple(s0.shape) != tuple(xa.shape[:s0.ndim]):
+            raise ValueError(f"{op}: {first} has shape {tuple(s0.shape)}, which is not x's shape "
+                             f"{tuple(xa.shape)} without its normalised trailing dimensions")
+        ns = tuple(xa.shape[xa.ndim - k:])
+    lead = tuple(xa.shape[:xa.ndim - k])
+    stats = {n: _check_stat(op, n, s, xa, lead, dtype) for n, s in stats}
+    rows, cols = math.prod(lead), math.prod(ns)
+    if cols > _INT32_MAX:
+        raise ValueError(f"{op}: the normalised dimensions {ns} have {cols} elements; at most "
+                         f"{_INT32_MAX} are supported")
+    dev = xa.data.device_id
+    with _on_device(dev):
+        dx = c.cp.empty(xa.shape, xa.dtype)
+        dw = db = None
+        if w is not None:
+            dw = c.cp.empty(ns, xa.dtype)
+            db = c.cp.empty(ns, xa.dtype) if layer else None
+        if rows and cols:
+            xv, sx = _rows_view(xa, k)
+            dyv, sdy = _rows_view(dya, k)
+            extra = (_tf(w is not None),)
+            ptrs = [a.data.ptr for a in (dyv, xv, w, dx) if a is not None]
+            bits = 0
+            for p in ptrs:
+                bits |= p
+            key = (op, dev, dtype, xa.shape, k, sx, sdy, extra, bits & 15)
+            launch = _launches.get(key)
+            if launch is None:
+                launch = _launches[key] = _plan_backward(op, dtype, dev, rows, cols, ptrs,
+                                                         [sx, sdy], extra)
+            partial = None
+            if launch.reduce is not None:
+                partial = c.cp.empty((launch.nacc, launch.prows, cols),
+                                     _stat_dtype(dtype))
+            launch.main(dyv, xv, _arg(stats.get("mean")), stats["rstd"], _arg(w), dx,
+                        _arg(None if partial is None else partial[0]),
+                        _arg(None if partial is None or not layer else partial[1]))
+            if partial is not None:
+                launch.reduce(partial, dw, _arg(db))
+        elif w is not None:
+            dw.fill(0)  # a sum over no rows (or an empty dweight, when cols == 0)
+            if db is not None:
+                db.fill(0)
+    wrap = ax.wrap
+    if layer:
+        return wrap(dx), _wrap_opt(wrap, dw), _wrap_opt(wrap, db)
+    return wrap(dx), _wrap_opt(wrap, dw)
+
+
+def _wrap_opt(wrap, a):
+    return None if a is None else wrap(a)
+
+
+class _Reduce:
+    """norm_param_grad_reduce: the partial rows of dweight (and dbias) summed into the outputs."""
+
+    __slots__ = ("grid", "kernel", "tail")
+
+    def __init__(self, dtype: str, dev: int, prows: int, cols: int, nacc: int):
+        from .. import _compile
+
+        name = _dispatch.OPS["layer_norm_backward"].aux_kernels[0].format(
+            t=_dispatch.CPP_TYPES[dtype])
+        self.kernel = _compile.get_kernel("layer_norm", name, dev)
+        self.grid = (-(-cols // 32), nacc)
+        self.tail = (np.int64(prows), np.int32(cols))
+
+    def __call__(self, partial, dw, db) -> None:
+        self.kernel(self.grid, (32, 32), (partial, dw, db) + self.tail)
+
+
+def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, extra) -> _Launches:
+    plan = _plan(op, dtype, dev, rows, cols, ptrs, strides, extra)
+    sx, sdy = strides
+    tail = (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx), np.int64(cols))
+    main = c.Launch(plan, dev, tail)
+    if extra[0] != "true":
+        return _Launches(main)
+    nacc = _dispatch.OPS[op].col_sums
+    prows = plan.grid // plan.cluster
+    return _Launches(main, _Reduce(dtype, dev, prows, cols, nacc), prows, nacc)
+
+
+def last_plan(op: str):
+    """The most recently cached plan for ``op`` (for tests and debugging)."""
+    for key in reversed(list(_launches)):
+        if key[0] == op:
+            return _launches[key].main.plan
+    return None

@@ -1,0 +1,436 @@
+"""Layer norm / RMS norm tests that need no GPU: planning, NVRTC compilation of every reachable
+instantiation, references against independent formulations, argument validation."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+
+import numpy as np
+import pytest
+
+import cukern
+from cukern import _compile, _dispatch, reference
+from cukern._device import DeviceSpec
+from cukern._dispatch import OPS, Variant, plan_rowwise
+from cukern.ops import _common
+from cukern.ops import layer_norm as ln
+
+H100 = DeviceSpec.h100()
+A100 = DeviceSpec.a100()
+FWD = ("layer_norm", "rms_norm")
+BWD = ("layer_norm_backward", "rms_norm_backward")
+NORM_OPS = FWD + BWD
+ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+CPP = {"float16": "cukern::f16", "bfloat16": "cukern::bf16", "float32": "float",
+       "float64": "double"}
+
+
+def default_extra(op):
+    return OPS[op].extras[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Planner: the documented rules.
+
+# (cols, rows, dtype) -> (pack, width, cols_per_thread, rows_per_access, padding). The norms'
+# warp kernel holds a power-of-two number of packs per lane, so cols_per_thread rounds up.
+WARP_TABLE = [
+    (1, 8, "float32", 1, 1, 1, 2, False),
+    (1, 7, "float32", 1, 1, 1, 1, False),
+    (2, 8, "float32", 2, 1, 2, 2, False),
+    (31, 10, "float16", 1, 32, 1, 2, True),
+    (32, 10, "float16", 8, 4, 8, 2, False),
+    (32, 9, "float32", 4, 8, 4, 1, False),
+    (33, 9, "float32", 1, 32, 2, 1, True),
+    (64, 4, "float16", 8, 8, 8, 2, False),
+    (100, 4, "float32", 4, 32, 4, 2, True),
+    (129, 4, "float32", 1, 32, 8, 1, True),  # 5 packs of 1 -> 8
+    (256, 4, "float16", 8, 32, 8, 2, False),
+    (264, 4, "float16", 8, 32, 16, 1, True),
+    (768, 4, "float16", 8, 32, 32, 1, True),  # 3 packs of 8 -> 4
+    (768, 4, "float32", 4, 32, 32, 1, True),  # 6 packs of 4 -> 8
+    (1000, 49152, "bfloat16", 8, 32, 32, 1, True),
+    (1023, 3, "float32", 1, 32, 32, 1, True),
+    (1024, 3, "float32", 4, 32, 32, 1, False),
+    (1024, 3, "float64", 2, 32, 32, 1, False),
+]
+
+
+@pytest.mark.parametrize("op", NORM_OPS)
+@pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
+def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
+    p = plan_rowwise(op, rows, cols, dtype, H100)
+    assert p.variant is Variant.WARP
+    assert (p.pack_size, p.thread_group_width, p.cols_per_thread, p.rows_per_access,
+            p.padding) == (pack, width, cpt, rpa, padding)
+    assert p.block == (width, 128 // width)
+    npacks = cpt // pack
+    assert npacks & (npacks - 1) == 0  # a power of two
+    assert cpt * width >= cols  # every column has a slot
+    assert cols <= pack * width or cpt // 2 * width < cols  # and not twice as many as needed
+    assert p.smem_bytes == 0
+
+
+def test_name_expressions():
+    p = plan_rowwise("layer_norm", 4096, 768, "float16", H100, extra=("true", "true", "false"))
+    assert p.name_expression() == \
+        "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, true, true, false>"
+    p = plan_rowwise("rms_norm", 4096, 4096, "bfloat16", H100, extra=("true", "false", "true"))
+    assert p.name_expression() == \
+        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true>"
+    p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, extra=("true",))
+    assert p.variant is Variant.CLUSTER
+    assert p.name_expression() == f"cukern::layer_norm_grad_cluster<float, 0, 4, {p.cluster}, true>"
+    p = plan_rowwise("rms_norm_backward", 8, 3000, "float64", A100)
+    assert p.name_expression() == "cukern::layer_norm_grad_block_smem<double, 1, 2, false>"
+    # the default extra is the first listed: no weight, no bias, no residual
+    assert plan_rowwise("layer_norm", 4, 64, "float32", H100).extra == ("false",) * 3
+    assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).extra == ("false",)
+
+
+def test_plan_rejects_what_the_kernels_lack():
+    with pytest.raises(ValueError, match="strided"):
+        plan_rowwise("layer_norm", 4, 64, "float32", H100, strided=True)
+    with pytest.raises(ValueError, match="extra"):
+        plan_rowwise("rms_norm", 4, 64, "float32", H100, extra=("true", "true", "false"))
+    with pytest.raises(ValueError, match="extra"):
+        plan_rowwise("layer_norm", 4, 64, "float32", H100, extra=("true",))
+
+
+def test_pack_respects_alignment():
+    for op in NORM_OPS:
+        assert plan_rowwise(op, 8, 64, "float16", H100, align_elems=16).pack_size == 8
+        assert plan_rowwise(op, 8, 64, "float16", H100, align_elems=2).pack_size == 2
+        assert plan_rowwise(op, 8, 66, "float16", H100).pack_size == 2
+        assert plan_rowwise(op, 8, 65, "float32", H100).pack_size == 1
+
+
+def smem_per_col(op, dtype, weight):
+    """Shared memory per column of a cached row: the row(s) in their storage type, plus the
+    backward's per-column sums (compute type) when there is a weight."""
+    sums = OPS[op].col_sums if weight else 0
+    return ITEM[dtype] * OPS[op].inputs + sums * (8 if dtype == "float64" else 4)
+
+
+def smem_edge(op, dtype, weight, device):
+    """Largest cols (a multiple of the widest pack) that one block's shared memory holds."""
+    pack = 16 // ITEM[dtype]
+    return _dispatch.max_dynamic_smem(device) // smem_per_col(op, dtype, weight) // pack * pack
+
+
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("op", NORM_OPS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_block_smem_boundary(op, dtype, weight):
+    extra = ("true",) + OPS[op].extras[-1][1:] if weight else default_extra(op)
+    assert extra in OPS[op].extras
+    edge = smem_edge(op, dtype, weight, H100)
+    wide = 16 // ITEM[dtype]
+    inside = plan_rowwise(op, 1000, edge, dtype, H100, extra=extra)
+    assert inside.variant is Variant.BLOCK_SMEM
+    assert inside.smem_bytes == edge * smem_per_col(op, dtype, weight and op in BWD)
+    above = plan_rowwise(op, 1000, edge + wide, dtype, H100, extra=extra)
+    assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
+    assert above.smem_bytes == -(-(edge + wide) // wide // above.cluster) * wide * \
+        smem_per_col(op, dtype, weight and op in BWD)
+    assert above.smem_bytes <= _dispatch.max_dynamic_smem(H100)
+    a_edge = smem_edge(op, dtype, weight, A100)
+    assert plan_rowwise(op, 1000, a_edge, dtype, A100, extra=extra).variant is Variant.BLOCK_SMEM
+    assert plan_rowwise(op, 1000, a_edge + wide, dtype, A100,
+                        extra=extra).variant is Variant.BLOCK_UNCACHED
+
+
+def test_forward_smem_ignores_weight():
+    # the forward reads gamma/beta from global memory: only x (or x + residual) is cached
+    a = plan_rowwise("layer_norm", 8, 5000, "float16", H100, extra=("true", "true", "true"))
+    assert a.smem_bytes == 5000 * 2
+
+
+def test_backward_with_weight_uses_one_wave_of_blocks():
+    # one partial row of dweight/dbias per block: the grid is what is resident at once
+    p = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, extra=("true",))
+    assert p.variant is Variant.WARP and p.grid == 132 * 16  # 128 threads, 16 blocks per SM
+    q = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, extra=("false",))
+    assert q.grid == min(-(-10**5 // 2 // q.block[1]), 132 * 16 * 32)  # OneFlow's waves
+    p = plan_rowwise("layer_norm_backward", 3, 64, "float32", H100, extra=("true",))
+    assert p.grid == 1  # never more blocks than rows need
+    p = plan_rowwise("rms_norm_backward", 4096, 4096, "float16", H100, extra=("true",))
+    assert p.variant is Variant.BLOCK_SMEM
+    assert p.smem_bytes == 4096 * (2 * 2 + 4)
+    per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
+    assert p.grid == 132 * per_sm
+    p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", H100, extra=("true",))
+    assert p.variant is Variant.CLUSTER
+    per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
+    assert p.grid == 132 * per_sm // p.cluster * p.cluster
+    p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", A100, extra=("true",))
+    assert p.variant is Variant.BLOCK_UNCACHED and p.grid == 108 * 2
+
+
+def test_explain_knows_the_norms():
+    p = cukern.explain("layer_norm", (8, 197, 768), "float16", device=H100)
+    assert (p.rows, p.cols, p.variant) == (8 * 197, 768, Variant.WARP)
+    assert "layer_norm_warp<cukern::f16, 0, 8, 32, 1, false, false, false>" in str(p)
+    p = cukern.explain("rms_norm_backward", (64, 8192), "bfloat16", device=H100)
+    assert p.variant is Variant.BLOCK_SMEM
+
+
+# ---------------------------------------------------------------------------------------------
+# Reachable instantiations and NVRTC.
+
+def test_reachable_covers_planner_output():
+    rng = np.random.default_rng(0)
+    short = list(range(1, 1100))  # the warp kernel (the same on both devices) and its edge
+    long = [int(c) for c in rng.integers(1100, 2_000_000, 80)]
+    for op in NORM_OPS:
+        # the switches only append template arguments, except the backward's WEIGHT, which also
+        # sizes shared memory: try the first and the last of each op's list
+        extras = {OPS[op].extras[0], OPS[op].extras[-1]}
+        for dt in ITEM:
+            for device in (H100, A100):
+                reach = _dispatch.reachable_plans(op, dt, device)
+                for extra in extras:
+                    for cols in (short if device is H100 else []) + long:
+                        for rows in (1, 2):
+                            for align in (1, 2, 4, 16):
+                                p = plan_rowwise(op, rows, cols, dt, device, align_elems=align,
+                                                 extra=extra)
+                                assert p.name_expression() in reach, p
+
+
+def test_reachable_sets():
+    for op in NORM_OPS:
+        for dt in ITEM:
+            names = _dispatch.reachable_plans(op, dt, H100)
+            kernels = [n for n in names if "param_grad" not in n]
+            for extra in OPS[op].extras:  # every switch combination, and nothing else
+                assert any(n.endswith(", " + ", ".join(extra) + ">") for n in kernels)
+            n_extra = len(OPS[op].extras[0])
+            assert {tuple(n[:-1].split(", ")[-n_extra:]) for n in kernels} == set(OPS[op].extras)
+            if op == "rms_norm":  # no bias
+                assert all(n[:-1].split(", ")[-2] == "false" for n in kernels)
+            if op in BWD:
+                assert f"cukern::norm_param_grad_reduce<{CPP[dt]}>" in names
+            a100 = _dispatch.reachable_plans(op, dt, A100)
+            assert not any("cluster" in n for n in a100)
+            assert {n for n in names if "cluster" not in n} == a100
+
+
+def _compile_group(args):
+    op, dtype, arch = args
+    device = H100 if arch == "sm_90" else A100
+    names = sorted(_dispatch.reachable_plans(op, dtype, device))
+    lowered = _compile.compile_check("layer_norm", names, arch)
+    return op, dtype, len(names), sum(1 for v in lowered.values() if v)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_reachable_instantiation_compiles(arch):
+    groups = [(op, dt, arch) for op in NORM_OPS for dt in ITEM]
+    workers = max(1, min(len(groups), os.cpu_count() or 1))
+    with cf.ProcessPoolExecutor(workers) as pool:
+        results = list(pool.map(_compile_group, groups))
+    for op, dtype, n, lowered in results:
+        assert n > 20, (op, dtype)
+        assert lowered == n, (op, dtype)
+
+
+def test_source_inlines_includes_once():
+    src = _compile.source("layer_norm")
+    assert '#include "common.cuh"' not in src
+    assert src.count("struct Welford") == 1
+    assert "layer_norm_cluster" in src and "norm_param_grad_reduce" in src
+
+
+# ---------------------------------------------------------------------------------------------
+# References, against independent formulations.
+
+def _naive_layer_norm(x, k, w, b, eps):
+    """Row by row with the statistics module's view of mean and population variance."""
+    lead = x.shape[:x.ndim - k]
+    flat = x.reshape(int(np.prod(lead)), -1)
+    y = np.empty_like(flat)
+    means, rstds = [], []
+    for i, row in enumerate(flat):
+        m = sum(row.tolist()) / row.size
+        var = sum((v - m) ** 2 for v in row.tolist()) / row.size
+        rstd = 1 / np.sqrt(var + eps)
+        y[i] = (row - m) * rstd
+        means.append(m)
+        rstds.append(rstd)
+    y = y.reshape(x.shape)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y, np.array(means).reshape(lead), np.array(rstds).reshape(lead)
+
+
+def test_reference_layer_norm_matches_naive(rng):
+    x = rng.standard_normal((3, 4, 5, 6)) * 3 + 2
+    w, b = rng.standard_normal((5, 6)), rng.standard_normal((5, 6))
+    y, mean, rstd = reference.layer_norm(x, (5, 6), w, b, eps=1e-3)
+    ny, nm, nr = _naive_layer_norm(x, 2, w, b, 1e-3)
+    np.testing.assert_allclose(y, ny, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mean, nm, rtol=1e-12)
+    np.testing.assert_allclose(rstd, nr, rtol=1e-12)
+    assert mean.shape == rstd.shape == (3, 4)
+    # normalised rows have mean 0 and variance var / (var + eps)
+    y0 = reference.layer_norm(x, 6, eps=1e-9, return_stats=False)
+    np.testing.assert_allclose(y0.mean(-1), 0, atol=1e-12)
+    np.testing.assert_allclose(y0.var(-1), 1, rtol=1e-6)
+
+
+def test_reference_rms_norm_matches_naive(rng):
+    x = rng.standard_normal((7, 33)) + 1
+    w = rng.standard_normal(33)
+    y, rstd = reference.rms_norm(x, 33, w, eps=1e-6)
+    ms = np.array([sum(v * v for v in row.tolist()) / 33 for row in x])
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(ms + 1e-6), rtol=1e-12)
+    np.testing.assert_allclose(y, x / np.sqrt(ms + 1e-6)[:, None] * w, rtol=1e-12)
+
+
+def test_reference_return_tuples_and_residual(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float16)
+    r = rng.standard_normal((4, 8)).astype(np.float16)
+    out = reference.layer_norm(x, 8, residual=r)
+    assert len(out) == 4
+    y, mean, _, h = out
+    # h is the sum rounded to x's dtype, and the statistics are those of h
+    np.testing.assert_array_equal(h, (x + r).astype(np.float64))
+    np.testing.assert_allclose(mean, h.mean(-1), rtol=1e-12)
+    y2, h2 = reference.layer_norm(x, 8, residual=r, return_stats=False)
+    np.testing.assert_array_equal(y2, y)
+    np.testing.assert_array_equal(h2, h)
+    assert isinstance(reference.layer_norm(x, 8, return_stats=False), np.ndarray)
+    assert len(reference.rms_norm(x, 8)) == 2
+    assert len(reference.rms_norm(x, 8, residual=r)) == 3
+    assert len(reference.rms_norm(x, 8, residual=r, return_stats=False)) == 2
+    with pytest.raises(ValueError, match="trailing"):
+        reference.layer_norm(x, 7)
+
+
+def _fd(f, a, eps=1e-6):
+    """Central differences of scalar f with respect to every element of a."""
+    g = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+        e = np.zeros_like(a)
+        e[idx] = eps
+        g[idx] = (f(a + e) - f(a - e)) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_reference_layer_norm_backward_matches_finite_differences(rng, affine):
+    x = rng.standard_normal((3, 2, 5)) * 2 + 1
+    dy = rng.standard_normal(x.shape)
+    w = rng.standard_normal((2, 5)) if affine else None
+    b = rng.standard_normal((2, 5)) if affine else None
+    eps = 1e-2
+
+    def loss_x(xx):
+        return np.sum(dy * reference.layer_norm(xx, (2, 5), w, b, eps, return_stats=False))
+
+    _, mean, rstd = reference.layer_norm(x, (2, 5), w, b, eps)
+    dx, dw, db = reference.layer_norm_backward(dy, x, mean, rstd, w)
+    np.testing.assert_allclose(dx, _fd(loss_x, x), rtol=1e-6, atol=1e-8)
+    if not affine:
+        assert dw is None and db is None
+        return
+    np.testing.assert_allclose(
+        dw, _fd(lambda ww: np.sum(dy * reference.layer_norm(x, (2, 5), ww, b, eps,
+                                                            return_stats=False)), w),
+        rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(
+        db, _fd(lambda bb: np.sum(dy * reference.layer_norm(x, (2, 5), w, bb, eps,
+                                                            return_stats=False)), b),
+        rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_reference_rms_norm_backward_matches_finite_differences(rng, affine):
+    x = rng.standard_normal((4, 7)) + 0.5
+    dy = rng.standard_normal(x.shape)
+    w = rng.standard_normal(7) if affine else None
+    eps = 1e-2
+
+    def loss_x(xx):
+        return np.sum(dy * reference.rms_norm(xx, 7, w, eps, return_stats=False))
+
+    _, rstd = reference.rms_norm(x, 7, w, eps)
+    dx, dw = reference.rms_norm_backward(dy, x, rstd, w)
+    np.testing.assert_allclose(dx, _fd(loss_x, x), rtol=1e-6, atol=1e-8)
+    if affine:
+        np.testing.assert_allclose(
+            dw, _fd(lambda ww: np.sum(dy * reference.rms_norm(x, 7, ww, eps,
+                                                              return_stats=False)), w),
+            rtol=1e-6, atol=1e-8)
+    else:
+        assert dw is None
+
+
+def test_naive_variance_would_fail_where_the_reference_holds(rng):
+    """The large-offset case the GPU tests use: E[x^2] - E[x]^2 in float32 loses every digit."""
+    x = (1e4 + rng.standard_normal((4, 4096)) * 0.5).astype(np.float32)
+    x64 = x.astype(np.float64)
+    true_var = x64.var(-1)
+    naive = (x * x).mean(-1, dtype=np.float32) - x.mean(-1, dtype=np.float32) ** 2
+    assert np.max(np.abs(naive - true_var) / true_var) > 0.1
+    _, _, rstd = reference.layer_norm(x, 4096, eps=1e-12)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(true_var + 1e-12), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and layouts (pure: NumPy stand-ins for device arrays).
+
+def test_normalized_shape_validation():
+    x = np.zeros((2, 3, 4))
+    assert ln._normalized_shape("f", 4, x) == (4,)
+    assert ln._normalized_shape("f", (3, 4), x) == (3, 4)
+    assert ln._normalized_shape("f", [np.int64(4)], x) == (4,)
+    with pytest.raises(ValueError, match=r"normalized_shape \(3,\) does not match"):
+        ln._normalized_shape("f", 3, x)
+    with pytest.raises(ValueError, match="does not match"):
+        ln._normalized_shape("f", (1, 2, 3, 4), x)
+    with pytest.raises(ValueError, match="empty"):
+        ln._normalized_shape("f", (), x)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        ln._normalized_shape("f", 4.0, x)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        ln._normalized_shape("f", True, x)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        ln._normalized_shape("f", (3, "4"), x)
+
+
+def test_eps_validation():
+    assert ln._eps("f", 1e-5) == 1e-5
+    assert ln._eps("f", np.float32(1e-3)) == pytest.approx(1e-3)
+    for bad in (0.0, -1e-5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps"):
+            ln._eps("f", bad)
+    for bad in ("1e-5", None, True, 1j):
+        with pytest.raises(TypeError, match="eps"):
+            ln._eps("f", bad)
+
+
+def test_trailing_layout():
+    a = np.zeros((4, 6, 5), np.float32)
+    assert _common.trailing_layout(a, 1) == (24, 5, 5)
+    assert _common.trailing_layout(a, 2) == (4, 30, 30)
+    assert _common.trailing_layout(a[:, :, :3], 1) == (24, 3, 5)  # row stride > cols
+    assert _common.trailing_layout(a[:, :3, :], 2) == (4, 15, 30)
+    assert _common.trailing_layout(a[:, :3, :3], 2) is None  # trailing dims not one run
+    assert _common.trailing_layout(a[:, :, ::2], 1) is None  # columns not contiguous
+    assert _common.trailing_layout(a.transpose(1, 0, 2), 1) is None  # leading dims: two strides
+    assert _common.trailing_layout(np.zeros((1, 7), np.float32), 1) == (1, 7, 7)
+    assert _common.trailing_layout(np.zeros((5, 1), np.float32)[::2], 1) == (3, 1, 2)
+
+
+def test_host_arrays_are_refused():
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        cukern.layer_norm(np.zeros((2, 3), np.float32), 3)
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        cukern.rms_norm_backward(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32),
+                                 np.zeros(2, np.float32))

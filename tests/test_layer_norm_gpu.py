@@ -1,0 +1,567 @@
+"""Layer norm and RMS norm on the GPU against float64 NumPy: every variant x dtype x op x
+(affine, residual) at its edge shapes, forward and backward; dweight/dbias over many rows;
+constant rows; large offsets; views; empty arrays; DLPack hand-offs; bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cukern
+from cukern import reference
+from cukern._dispatch import OPS, Variant, max_dynamic_smem
+from cukern.ops import layer_norm as ln_mod
+
+from .conftest import DTYPES, TOL, warm_family
+
+cp = pytest.importorskip("cupy")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_layer_norm")]
+
+FWD = ("layer_norm", "rms_norm")
+BWD = ("layer_norm_backward", "rms_norm_backward")
+ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+# Statistics are float32 (float64 for float64 input) whatever the input: their own tolerance.
+STAT_TOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
+
+
+@pytest.fixture(scope="module")
+def warm_layer_norm():
+    warm_family("layer_norm")
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
+
+        return np.dtype(bfloat16)
+    return np.dtype(name)
+
+
+def stat_dtype(name):
+    return np.float64 if name == "float64" else np.float32
+
+
+def host(a) -> np.ndarray:
+    return cp.asnumpy(a).astype(np.float64) if isinstance(a, cp.ndarray) else np.asarray(a)
+
+
+def rel_err(out, ref, scale=None) -> float:
+    """||out - ref|| / ||ref|| (or / scale), with NaN patterns required to match."""
+    got = host(out)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), "NaN pattern differs (unwritten output?)"
+    num = np.linalg.norm((got - ref).ravel())
+    den = np.linalg.norm(ref.ravel()) if scale is None else scale
+    return float(num / den) if den else float(num)
+
+
+def poison(*arrays_like) -> None:
+    """Return NaN-filled memory to CuPy's pool, sized like the outputs about to be allocated
+    (and one large block the pool splits for anything else), so that an output element a kernel
+    fails to write shows up as NaN. 0xFF bytes are NaN in every float format."""
+    blocks = [cp.full(int(np.prod(shape)) * item + 1, 255, cp.uint8)
+              for shape, item in arrays_like]
+    blocks.append(cp.full(64 << 20, 255, cp.uint8))
+    del blocks
+
+
+def spec():
+    return cukern.DeviceSpec.from_device()
+
+
+def smem_per_col(op, dtype, weight):
+    sums = OPS[op].col_sums if weight else 0
+    return ITEM[dtype] * OPS[op].inputs + sums * (8 if dtype == "float64" else 4)
+
+
+def variant_shapes(op, dtype, weight=False):
+    """(shape, expected variant or None) on this device: every regime, its edges, and the
+    issue's edge columns 1, 2, 31, 33, 1023, 1024, 1025 and 10**5 + 3."""
+    edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, weight)
+    wide = 16 // ITEM[dtype]
+    shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
+              ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
+              ((5, 64), Variant.WARP), ((300, 100), Variant.WARP), ((3, 768), Variant.WARP),
+              ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
+              ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
+              ((2, edge - 1), Variant.BLOCK_SMEM), ((3, edge // wide * wide), Variant.BLOCK_SMEM)]
+    if spec().has_clusters:
+        shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
+                   ((3, 3 * edge // wide * wide), Variant.CLUSTER),
+                   ((2, 8 * edge // wide * wide), Variant.CLUSTER),
+                   ((2, 8 * edge + 64 * wide), Variant.BLOCK_UNCACHED)]
+    else:
+        shapes += [((2, edge + 64 * wide), Variant.BLOCK_UNCACHED)]
+    shapes += [((2, 10**5 + 3), None)]
+    return shapes
+
+
+def combos(op):
+    """(weight, bias, residual) switch combinations of a forward op."""
+    return [tuple(v == "true" for v in e) for e in OPS[op].extras]
+
+
+def make(shape, dtype, rng, scale=2.0, shift=0.5):
+    dt = np_dtype(dtype)
+    return (rng.standard_normal(shape) * scale + shift).astype(dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+def check_forward(op, x, ns, w, b, r, dtype, eps=None):
+    """Run op on x (a host array of dtype) with NaN-poisoned fresh outputs; compare y, the
+    statistics and h with the float64 reference."""
+    layer = op == "layer_norm"
+    eps = eps if eps is not None else (1e-5 if layer else 1e-6)
+    kw = {"residual": r}
+    if layer:
+        ref = reference.layer_norm(x, ns, w, b, eps, **kw)
+        args = (cp.asarray(x), ns, None if w is None else cp.asarray(w),
+                None if b is None else cp.asarray(b), eps)
+    else:
+        ref = reference.rms_norm(x, ns, w, eps, **kw)
+        args = (cp.asarray(x), ns, None if w is None else cp.asarray(w), eps)
+    k = 1 if np.isscalar(ns) else len(ns)
+    lead = x.shape[:x.ndim - k]
+    item = ITEM[dtype]
+    poison((x.shape, item), (x.shape, item), (lead, 8), (lead, 8))
+    got = getattr(cukern, op)(*args, residual=None if r is None else cp.asarray(r))
+    assert len(got) == len(ref)
+    y, y_ref = got[0], ref[0]
+    assert y.dtype == np_dtype(dtype) and y.shape == x.shape
+    where = f"{op} {dtype} {x.shape} w={w is not None} b={b is not None} r={r is not None}"
+    assert rel_err(y, y_ref) <= TOL[dtype], f"{where}: y rel err {rel_err(y, y_ref):.3g}"
+    rstd, rstd_ref = got[2 if layer else 1], ref[2 if layer else 1]
+    assert rstd.dtype == stat_dtype(dtype) and rstd.shape == lead
+    assert rel_err(rstd, rstd_ref) <= STAT_TOL[dtype], f"{where}: rstd"
+    if layer:
+        mean = got[1]
+        assert mean.dtype == stat_dtype(dtype) and mean.shape == lead
+        # the mean's error against its own size or the row's standard deviation, whichever is
+        # larger: far from zero a float32 mean is only as exact as float32 (x = 1e4 + noise)
+        size = np.abs(ref[1]) + 1 / np.minimum(rstd_ref, 1e6)
+        dev = np.abs(host(mean) - ref[1]) / size
+        assert np.all(dev <= STAT_TOL[dtype]), f"{where}: mean off by {dev.max():.3g}"
+    if r is not None:
+        h = got[-1]
+        assert h.dtype == np_dtype(dtype) and h.shape == x.shape
+        np.testing.assert_array_equal(host(h), ref[-1], err_msg=f"{where}: h")
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD)
+def test_forward_every_variant_and_switch(op, dtype, rng):
+    for shape, variant in variant_shapes(op, dtype):
+        cols = shape[-1]
+        for weight, bias, residual in combos(op):
+            x = make(shape, dtype, rng)
+            w = make(cols, dtype, rng, 1.0, 1.0) if weight else None
+            b = make(cols, dtype, rng, 1.0, 0.0) if bias else None
+            r = make(shape, dtype, rng) if residual else None
+            check_forward(op, x, cols, w, b, r, dtype)
+            plan = ln_mod.last_plan(op)
+            assert plan.extra == tuple("true" if f else "false" for f in (weight, bias, residual))
+            if variant is not None:
+                assert plan.variant is variant, (shape, plan)
+
+
+def test_forward_return_forms(rng):
+    x = cp.asarray(make((6, 40), "float32", rng))
+    r = cp.asarray(make((6, 40), "float32", rng))
+    y = cukern.layer_norm(x, 40, return_stats=False)
+    assert isinstance(y, cp.ndarray) and y.shape == (6, 40)
+    y2, h = cukern.layer_norm(x, 40, residual=r, return_stats=False)
+    np.testing.assert_allclose(host(y2), host(cukern.layer_norm(x + r, 40)[0]), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_array_equal(host(h), host(x + r))
+    y3, rstd3, h3 = cukern.rms_norm(x, (40,), residual=r)
+    assert rstd3.shape == (6,) and y3.shape == h3.shape == (6, 40)
+    y4 = cukern.rms_norm(x, 40, return_stats=False)
+    assert isinstance(y4, cp.ndarray)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD)
+def test_forward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
+    """The uncached kernel on ordinary rows, by making the block kernels unlaunchable."""
+    from cukern.ops import _common
+
+    monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+    monkeypatch.setattr(ln_mod, "_launches", {})
+    for shape in [(3, 1025), (5, 4097), (2, 20000)]:
+        for weight, bias, residual in combos(op):
+            x = make(shape, dtype, rng)
+            cols = shape[-1]
+            w = make(cols, dtype, rng, 1.0, 1.0) if weight else None
+            b = make(cols, dtype, rng) if bias else None
+            r = make(shape, dtype, rng) if residual else None
+            check_forward(op, x, cols, w, b, r, dtype)
+            assert ln_mod.last_plan(op).variant is Variant.BLOCK_UNCACHED
+
+
+def _variant_cases(op, dtype):
+    """Columns that reach the warp, block, cluster (Hopper) and uncached kernels."""
+    edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, True)
+    wide = 16 // ITEM[dtype]
+    cases = [1000, 5000, min(edge // wide * wide, 20000)]
+    if spec().has_clusters:
+        cases.append((edge // wide + 1) * wide)
+    return cases
+
+
+@pytest.mark.parametrize("op", FWD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_constant_rows(op, dtype, rng, monkeypatch):
+    """var = 0: y is exactly beta (layer norm), rstd = 1 / sqrt(eps)."""
+    for uncached in (False, True):
+        if uncached:
+            from cukern.ops import _common
+
+            monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+            monkeypatch.setattr(ln_mod, "_launches", {})
+        for cols in (_variant_cases(op, dtype) if not uncached else [3000]):
+            c = rng.standard_normal((5, 1)) * 10
+            x = np.broadcast_to(c, (5, cols)).astype(np_dtype(dtype))
+            b = make(cols, dtype, rng)
+            if op == "layer_norm":
+                y, mean, rstd = cukern.layer_norm(cp.asarray(x), cols, None, cp.asarray(b))
+                np.testing.assert_array_equal(host(y), np.broadcast_to(b.astype(np.float64),
+                                                                       (5, cols)))
+                np.testing.assert_allclose(host(mean), x[:, 0].astype(np.float64),
+                                           rtol=STAT_TOL[dtype])
+                np.testing.assert_allclose(host(rstd), 1 / np.sqrt(1e-5), rtol=STAT_TOL[dtype])
+            else:
+                check_forward(op, x, cols, None, None, None, dtype)
+
+
+@pytest.mark.parametrize("op", FWD)
+def test_large_offsets(op, rng, monkeypatch):
+    """x = 1e4 + small noise in float32, where E[x^2] - E[x]^2 loses every digit: y and the
+    statistics still match float64 to float32 precision, in every variant."""
+    for uncached in (False, True):
+        if uncached:
+            from cukern.ops import _common
+
+            monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+            monkeypatch.setattr(ln_mod, "_launches", {})
+        for cols in (_variant_cases(op, "float32") if not uncached else [3000, 70000]):
+            x = (1e4 + rng.standard_normal((6, cols)) * 0.5).astype(np.float32)
+            w = make(cols, "float32", rng, 1.0, 1.0)
+            b = make(cols, "float32", rng) if op == "layer_norm" else None
+            check_forward(op, x, cols, w, b, None, "float32")
+
+
+def test_views_and_layouts(rng):
+    base = make((6, 1100), "float32", rng)
+    db = cp.asarray(base)
+    w = make(1000, "float32", rng)
+    cases = [
+        (base[:, :1000], db[:, :1000]),  # row stride > cols
+        (base[:, 1:1001], db[:, 1:1001]),  # misaligned: single-element accesses
+        (base[:, ::2][:, :500], db[:, ::2][:, :500]),  # columns not contiguous: copied
+        (base[::-1, :1000], db[::-1, :1000]),  # negative row stride
+    ]
+    for hx, dx in cases:
+        cols = hx.shape[-1]
+        ref = reference.layer_norm(hx, cols, w[:cols])
+        got = cukern.layer_norm(dx, cols, cp.asarray(w[:cols]))
+        assert rel_err(got[0], ref[0]) <= TOL["float32"]
+    # several normalised dimensions, leading dimensions that do not merge (copied)
+    cube = make((4, 3, 10, 16), "float32", rng)
+    dcube = cp.asarray(cube)
+    w2 = make((10, 16), "float32", rng)
+    for hv, dv in [(cube, dcube), (cube.transpose(1, 0, 2, 3), dcube.transpose(1, 0, 2, 3))]:
+        ref = reference.layer_norm(hv, (10, 16), w2)
+        got = cukern.layer_norm(dv, (10, 16), cp.asarray(w2))
+        assert got[1].shape == hv.shape[:2]
+        assert rel_err(got[0], ref[0]) <= TOL["float32"]
+        dy = make(hv.shape, "float32", rng)
+        ref_b = reference.layer_norm_backward(dy, hv, ref[1], ref[2], w2)
+        got_b = cukern.layer_norm_backward(cp.asarray(dy), dv, got[1], got[2], cp.asarray(w2))
+        for g, r_ in zip(got_b, ref_b):
+            assert rel_err(g, r_) <= 1e-5
+    # a non-contiguous weight and a residual with its own layout
+    wbig = make(2000, "float32", rng)
+    r = make((6, 2000), "float32", rng)
+    ref = reference.layer_norm(base[:, :1000], 1000, wbig[::2], residual=r[:, 500:1500])
+    got = cukern.layer_norm(db[:, :1000], 1000, cp.asarray(wbig)[::2],
+                            residual=cp.asarray(r)[:, 500:1500])
+    assert rel_err(got[0], ref[0]) <= TOL["float32"]
+    np.testing.assert_array_equal(host(got[3]), ref[3])
+
+
+def test_empty_arrays():
+    for shape, ns in [((0, 5), 5), ((2, 0, 3), 3), ((0,), 0)]:
+        x = cp.empty(shape, cp.float32)
+        y, mean, rstd = cukern.layer_norm(x, ns)
+        assert y.shape == shape and mean.shape == shape[:-1]
+        dx, dw, db = cukern.layer_norm_backward(x, x, mean, rstd, cp.ones(ns, cp.float32))
+        assert dx.shape == shape and dw.shape == (ns,)
+        assert bool((dw == 0).all()) and bool((db == 0).all())
+    # rows but no columns: the statistics of no values are NaN, as in NumPy
+    x = cp.empty((3, 0), cp.float32)
+    y, mean, rstd = cukern.layer_norm(x, 0)
+    assert y.shape == (3, 0) and bool(cp.isnan(mean).all()) and bool(cp.isnan(rstd).all())
+    y, rstd = cukern.rms_norm(x, 0)
+    assert bool(cp.isnan(rstd).all())
+    # one row of one dimension: statistics are 0-d
+    y, mean, rstd = cukern.layer_norm(cp.arange(4, dtype=cp.float32), 4)
+    assert mean.shape == () and float(mean) == 1.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+def check_backward(op, x, dy, w, dtype):
+    """Statistics from the float64 forward, rounded to the statistics dtype, go to both the
+    kernel and the reference; dx, dweight, dbias from NaN-poisoned fresh outputs."""
+    layer = op == "layer_norm_backward"
+    cols = x.shape[-1]
+    sdt = stat_dtype(dtype)
+    x64 = x.astype(np.float64)
+    if layer:
+        _, mean, rstd = reference.layer_norm(x64, cols)
+        stats = (mean.astype(sdt), rstd.astype(sdt))
+    else:
+        _, rstd = reference.rms_norm(x64, cols)
+        stats = (rstd.astype(sdt),)
+    ref = getattr(reference, op)(dy.astype(np.float64), x64,
+                                 *[s.astype(np.float64) for s in stats],
+                                 None if w is None else w.astype(np.float64))
+    item = ITEM[dtype]
+    poison((x.shape, item), ((cols,), item), ((cols,), item))
+    got = getattr(cukern, op)(cp.asarray(dy), cp.asarray(x), *[cp.asarray(s) for s in stats],
+                              None if w is None else cp.asarray(w))
+    assert len(got) == len(ref)
+    where = f"{op} {dtype} {x.shape} weight={w is not None}"
+    # dx's natural scale is rstd * |dy * w|: with 1 or 2 columns dx itself is ~0 by cancellation
+    g = dy.astype(np.float64) * (1 if w is None else w.astype(np.float64))
+    scale = max(np.linalg.norm(ref[0]), np.linalg.norm(stats[-1].astype(np.float64)[:, None] * g))
+    assert got[0].dtype == np_dtype(dtype) and got[0].shape == x.shape
+    err = rel_err(got[0], ref[0], scale)
+    assert err <= TOL[dtype], f"{where}: dx rel err {err:.3g}"
+    for name, gv, rv in zip(("dweight", "dbias"), got[1:], ref[1:]):
+        if w is None:
+            assert gv is None, name
+            continue
+        assert gv.dtype == np_dtype(dtype) and gv.shape == (cols,)
+        err = rel_err(gv, rv)
+        assert err <= TOL[dtype], f"{where}: {name} rel err {err:.3g}"
+    return got
+
+
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BWD)
+def test_backward_every_variant(op, dtype, weight, rng):
+    for shape, variant in variant_shapes(op, dtype, weight):
+        x = make(shape, dtype, rng)
+        dy = make(shape, dtype, rng, 1.0, 0.1)
+        w = make(shape[-1], dtype, rng, 1.0, 1.0) if weight else None
+        check_backward(op, x, dy, w, dtype)
+        plan = ln_mod.last_plan(op)
+        assert plan.extra == (("true",) if weight else ("false",))
+        if variant is not None:
+            assert plan.variant is variant, (shape, plan)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BWD)
+def test_backward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
+    from cukern.ops import _common
+
+    monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+    monkeypatch.setattr(ln_mod, "_launches", {})
+    for shape in [(3, 1025), (5, 4097), (40, 20000)]:
+        for weight in (False, True):
+            x = make(shape, dtype, rng)
+            dy = make(shape, dtype, rng, 1.0, 0.1)
+            w = make(shape[-1], dtype, rng, 1.0, 1.0) if weight else None
+            check_backward(op, x, dy, w, dtype)
+            assert ln_mod.last_plan(op).variant is Variant.BLOCK_UNCACHED
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BWD)
+def test_param_grads_over_many_rows(op, dtype, rng):
+    """dweight/dbias summed over 10**5 rows: float32 partial sums hold where a half-precision
+    running sum visibly fails."""
+    x = make((10**5, 64), dtype, rng)
+    dy = make((10**5, 64), dtype, rng, 1.0, 0.1)
+    w = make(64, dtype, rng, 1.0, 1.0)
+    got = check_backward(op, x, dy, w, dtype)
+    if dtype == "float16":
+        ref_db = dy.astype(np.float64).sum(0)
+        half = np.cumsum(dy, axis=0, dtype=np.float16)[-1].astype(np.float64)
+        assert np.linalg.norm(half - ref_db) / np.linalg.norm(ref_db) > 10 * TOL[dtype]
+        if op == "layer_norm_backward":
+            assert rel_err(got[2], ref_db) <= TOL[dtype]
+    # the same rows through the block and cluster kernels (fewer rows, longer)
+    for cols in _variant_cases(op, dtype)[1:]:
+        rows = max(64, 2**21 // cols)
+        check_backward(op, make((rows, cols), dtype, rng), make((rows, cols), dtype, rng, 1, .1),
+                       make(cols, dtype, rng, 1.0, 1.0), dtype)
+
+
+@pytest.mark.parametrize("op", BWD)
+def test_backward_large_offsets_and_constant_rows(op, rng):
+    for cols in _variant_cases(op, "float32"):
+        x = (1e4 + rng.standard_normal((6, cols)) * 0.5).astype(np.float32)
+        dy = make((6, cols), "float32", rng, 1.0, 0.1)
+        check_backward(op, x, dy, make(cols, "float32", rng, 1.0, 1.0), "float32")
+        c = np.broadcast_to(rng.standard_normal((6, 1)) * 10, (6, cols)).astype(np.float32)
+        check_backward(op, c, dy, make(cols, "float32", rng, 1.0, 1.0), "float32")
+
+
+def test_forward_backward_round_trip(rng):
+    """The backward of the forward's own outputs (h as x, the returned statistics)."""
+    x = cp.asarray(make((64, 3000), "bfloat16", rng))
+    r = cp.asarray(make((64, 3000), "bfloat16", rng))
+    w = cp.asarray(make(3000, "bfloat16", rng, 1.0, 1.0))
+    b = cp.asarray(make(3000, "bfloat16", rng))
+    y, mean, rstd, h = cukern.layer_norm(x, 3000, w, b, residual=r)
+    dy = cp.asarray(make((64, 3000), "bfloat16", rng))
+    dx, dw, db = cukern.layer_norm_backward(dy, h, mean, rstd, w)
+    ref = reference.layer_norm_backward(host(dy), host(h), host(mean), host(rstd), host(w))
+    for g, r_ in zip((dx, dw, db), ref):
+        assert rel_err(g, r_) <= TOL["bfloat16"]
+    _, rstd, h = cukern.rms_norm(x, 3000, w, residual=r)
+    dx, dw = cukern.rms_norm_backward(dy, h, rstd, w)
+    ref = reference.rms_norm_backward(host(dy), host(h), host(rstd), host(w))
+    for g, r_ in zip((dx, dw), ref):
+        assert rel_err(g, r_) <= TOL["bfloat16"]
+
+
+# ---------------------------------------------------------------------------------------------
+# DLPack hand-offs.
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_round_trip(dtype):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    tdt = getattr(torch, dtype)
+    x = torch.randn(257, 1000, device="cuda", dtype=tdt) * 2 + 0.5
+    r = torch.randn_like(x)
+    w = torch.randn(1000, device="cuda", dtype=tdt) + 1
+    b = torch.randn(1000, device="cuda", dtype=tdt)
+    y, mean, rstd, h = cukern.layer_norm(x, 1000, w, b, residual=r)
+    for t in (y, mean, rstd, h):
+        assert isinstance(t, torch.Tensor) and t.device == x.device
+    assert y.dtype == tdt and h.dtype == tdt and mean.dtype == torch.float32
+    assert torch.equal(h, x + r)
+    hd = h.double().requires_grad_()
+    wd, bd = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = F.layer_norm(hd, (1000,), wd, bd, 1e-5)
+    assert float((y.double() - ref).norm() / ref.norm()) < TOL[dtype]
+    dy = torch.randn_like(x)
+    dx, dw, db = cukern.layer_norm_backward(dy, h, mean, rstd, w)
+    ref.backward(dy.double())
+    for got, want in ((dx, hd.grad), (dw, wd.grad), (db, bd.grad)):
+        assert isinstance(got, torch.Tensor) and got.dtype == tdt
+        assert float((got.double() - want).norm() / want.norm()) < 2 * TOL[dtype]
+    y2, rstd2 = cukern.rms_norm(x, 1000, w)
+    assert rstd2.dtype == torch.float32 and rstd2.shape == (257,)
+    ms = x.double().pow(2).mean(-1, keepdim=True)
+    ref2 = x.double() * torch.rsqrt(ms + 1e-6) * w.double()
+    assert float((y2.double() - ref2).norm() / ref2.norm()) < TOL[dtype]
+    assert cp.from_dlpack(y).data.ptr == y.data_ptr()  # zero-copy
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_jax_round_trip(dtype, rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x64 = rng.standard_normal((129, 2048))
+    x = jnp.asarray(x64, dtype=getattr(jnp, dtype))
+    w = jnp.asarray(rng.standard_normal(2048) + 1, dtype=getattr(jnp, dtype))
+    y, rstd = cukern.rms_norm(x, 2048, w)
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype and rstd.dtype == jnp.float32
+    xh = np.asarray(x.astype(jnp.float32)).astype(np.float64)
+    wh = np.asarray(w.astype(jnp.float32)).astype(np.float64)
+    ref = reference.rms_norm(xh, 2048, wh)
+    assert rel_err(np.asarray(y.astype(jnp.float32)).astype(np.float64), ref[0]) < TOL[dtype]
+    dy = jnp.asarray(rng.standard_normal((129, 2048)), dtype=x.dtype)
+    dx, dw = cukern.rms_norm_backward(dy, x, rstd, w)
+    assert isinstance(dx, jax.Array) and isinstance(dw, jax.Array)
+    ref_b = reference.rms_norm_backward(np.asarray(dy.astype(jnp.float32)).astype(np.float64),
+                                        xh, np.asarray(rstd).astype(np.float64), wh)
+    assert rel_err(np.asarray(dw.astype(jnp.float32)).astype(np.float64), ref_b[1]) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+
+def test_bad_input_is_named():
+    x = cp.ones((4, 8), cp.float32)
+    w8 = cp.ones(8, cp.float32)
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        cukern.layer_norm(np.ones((4, 8), np.float32), 8)
+    with pytest.raises(TypeError, match="int32"):
+        cukern.layer_norm(cp.ones((4, 8), cp.int32), 8)
+    with pytest.raises(ValueError, match=r"normalized_shape \(7,\) does not match"):
+        cukern.layer_norm(x, 7)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        cukern.rms_norm(x, (2, 4, 8))
+    with pytest.raises(TypeError, match="normalized_shape"):
+        cukern.layer_norm(x, 8.0)
+    with pytest.raises(ValueError, match=r"weight has shape \(7,\), expected \(8,\)"):
+        cukern.layer_norm(x, 8, cp.ones(7, cp.float32))
+    with pytest.raises(ValueError, match="bias has shape"):
+        cukern.layer_norm(x, 8, w8, cp.ones((1, 8), cp.float32))
+    with pytest.raises(TypeError, match="weight has dtype float16"):
+        cukern.rms_norm(x, 8, cp.ones(8, cp.float16))
+    with pytest.raises(TypeError, match="bias has dtype float64"):
+        cukern.layer_norm(x, 8, None, cp.ones(8, cp.float64))
+    with pytest.raises(TypeError, match="weight must be a CuPy array"):
+        cukern.layer_norm(x, 8, np.ones(8, np.float32))
+    for eps in (0, -1e-5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps"):
+            cukern.layer_norm(x, 8, eps=eps)
+    with pytest.raises(TypeError, match="eps"):
+        cukern.rms_norm(x, 8, eps="1e-6")
+    with pytest.raises(ValueError, match="residual has shape"):
+        cukern.layer_norm(x, 8, residual=cp.ones((4, 9), cp.float32))
+    with pytest.raises(TypeError, match="residual has dtype"):
+        cukern.rms_norm(x, 8, residual=cp.ones((4, 8), cp.float16))
+    # backward: statistics of the wrong shape or dtype, mismatched dy
+    mean, rstd = cp.zeros(4, cp.float32), cp.ones(4, cp.float32)
+    with pytest.raises(ValueError, match=r"rstd has shape \(5,\), expected \(4,\)"):
+        cukern.layer_norm_backward(x, x, mean, cp.ones(5, cp.float32))
+    with pytest.raises(ValueError, match="mean has shape"):
+        cukern.layer_norm_backward(x, x, cp.zeros((4, 8), cp.float32), rstd)
+    with pytest.raises(ValueError, match="rstd has shape"):
+        cukern.rms_norm_backward(x, x, cp.ones((2, 2), cp.float32))
+    with pytest.raises(ValueError, match="mean has shape"):
+        cukern.layer_norm_backward(x, x, cp.zeros(4, cp.float32), rstd, cp.ones((4, 8),
+                                                                                 cp.float32))
+    with pytest.raises(TypeError, match="rstd has dtype float16"):
+        cukern.rms_norm_backward(x, x, cp.ones(4, cp.float16))
+    with pytest.raises(TypeError, match="mean has dtype float64"):
+        cukern.layer_norm_backward(x, x, cp.zeros(4, cp.float64), rstd)
+    with pytest.raises(ValueError, match="dy has shape"):
+        cukern.layer_norm_backward(cp.ones((4, 9), cp.float32), x, mean, rstd)
+    with pytest.raises(TypeError, match="dy has dtype"):
+        cukern.rms_norm_backward(cp.ones((4, 8), cp.float16), x, rstd)
+    with pytest.raises(ValueError, match="weight has shape"):
+        cukern.rms_norm_backward(x, x, rstd, cp.ones(7, cp.float32))
+    with pytest.raises(TypeError, match="weight has dtype"):
+        cukern.layer_norm_backward(x, x, mean, rstd, cp.ones(8, cp.float64))
+    # float64 input takes float64 statistics
+    x64 = cp.ones((4, 8), cp.float64)
+    with pytest.raises(TypeError, match="expected float64"):
+        cukern.rms_norm_backward(x64, x64, rstd)
+
+
+def test_arrays_on_different_devices():
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    x = cp.ones((4, 8), cp.float32)
+    with cp.cuda.Device(1):
+        w = cp.ones(8, cp.float32)
+        r = cp.ones((4, 8), cp.float32)
+    with pytest.raises(ValueError, match="GPU"):
+        cukern.layer_norm(x, 8, w)
+    with pytest.raises(ValueError, match="GPU"):
+        cukern.rms_norm(x, 8, residual=r)
