@@ -109,6 +109,75 @@ template <typename T, int N> union Pack {
   T elem[N];
 };
 
+// The vector word of N values, assembled with integer ops, and stored with one instruction.
+// (Through the union, the compiler takes the word apart again and stores it in 2- to 4-byte
+// pieces: four or more store instructions a pack.)
+template <typename T, int N> struct WordOf;
+template <typename H> __device__ __forceinline__ unsigned pair16(const H* e) {
+  return static_cast<unsigned>(e[0].bits) | (static_cast<unsigned>(e[1].bits) << 16);
+}
+#define CUKERN_HALF_WORDS(H)                                                              \
+  template <> struct WordOf<H, 1> {                                                       \
+    static __device__ __forceinline__ unsigned short make(const H* e) { return e[0].bits; } \
+  };                                                                                      \
+  template <> struct WordOf<H, 2> {                                                       \
+    static __device__ __forceinline__ unsigned make(const H* e) { return pair16(e); }    \
+  };                                                                                      \
+  template <> struct WordOf<H, 4> {                                                       \
+    static __device__ __forceinline__ uint2 make(const H* e) {                           \
+      return make_uint2(pair16(e), pair16(e + 2));                                        \
+    }                                                                                     \
+  };                                                                                      \
+  template <> struct WordOf<H, 8> {                                                       \
+    static __device__ __forceinline__ uint4 make(const H* e) {                           \
+      return make_uint4(pair16(e), pair16(e + 2), pair16(e + 4), pair16(e + 6));          \
+    }                                                                                     \
+  };
+CUKERN_HALF_WORDS(f16)
+CUKERN_HALF_WORDS(bf16)
+#undef CUKERN_HALF_WORDS
+template <> struct WordOf<float, 1> {
+  static __device__ __forceinline__ unsigned make(const float* e) { return __float_as_uint(e[0]); }
+};
+template <> struct WordOf<float, 2> {
+  static __device__ __forceinline__ uint2 make(const float* e) {
+    return make_uint2(__float_as_uint(e[0]), __float_as_uint(e[1]));
+  }
+};
+template <> struct WordOf<float, 4> {
+  static __device__ __forceinline__ uint4 make(const float* e) {
+    return make_uint4(__float_as_uint(e[0]), __float_as_uint(e[1]), __float_as_uint(e[2]),
+                      __float_as_uint(e[3]));
+  }
+};
+__device__ __forceinline__ uint2 double_bits(double v) {
+  const unsigned long long b = static_cast<unsigned long long>(__double_as_longlong(v));
+  return make_uint2(static_cast<unsigned>(b), static_cast<unsigned>(b >> 32));
+}
+template <> struct WordOf<double, 1> {
+  static __device__ __forceinline__ uint2 make(const double* e) { return double_bits(e[0]); }
+};
+template <> struct WordOf<double, 2> {
+  static __device__ __forceinline__ uint4 make(const double* e) {
+    const uint2 a = double_bits(e[0]), b = double_bits(e[1]);
+    return make_uint4(a.x, a.y, b.x, b.y);
+  }
+};
+
+// One store instruction of a whole word to global memory.
+__device__ __forceinline__ void store_global(unsigned short* p, unsigned short w) { *p = w; }
+__device__ __forceinline__ void store_global(unsigned* p, unsigned w) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(w) : "memory");
+}
+__device__ __forceinline__ void store_global(uint2* p, uint2 w) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+}
+__device__ __forceinline__ void store_global(uint4* p, uint4 w) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y),
+               "r"(w.z), "r"(w.w)
+               : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Where row `row`, column `col` of a (rows, cols) view lives. The host collapses any array to
 // rows = outer * inner: element (o, c, i) sits at o * s_outer + c * s_col + i * s_inner.
@@ -154,10 +223,11 @@ template <typename C, typename T, bool STRIDED> struct Store {
 #pragma unroll
       for (int i = 0; i < N; ++i) ptr[at.offset(row, col + i)] = Num<T>::from(src[i]);
     } else {
-      Pack<T, N> pack;
+      T e[N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) pack.elem[i] = Num<T>::from(src[i]);
-      *reinterpret_cast<typename Pack<T, N>::word_t*>(ptr + at.offset(row, col)) = pack.word;
+      for (int i = 0; i < N; ++i) e[i] = Num<T>::from(src[i]);
+      store_global(reinterpret_cast<typename Pack<T, N>::word_t*>(ptr + at.offset(row, col)),
+                   WordOf<T, N>::make(e));
     }
   }
 };
@@ -166,10 +236,10 @@ template <typename C, typename T, bool STRIDED> struct Store {
 template <typename T, typename C, int N> struct SmemRow {
   T* base;
   __device__ __forceinline__ void put(int pack_id, const C* v) const {
-    Pack<T, N> pack;
+    T e[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) pack.elem[i] = Num<T>::from(v[i]);
-    reinterpret_cast<typename Pack<T, N>::word_t*>(base)[pack_id] = pack.word;
+    for (int i = 0; i < N; ++i) e[i] = Num<T>::from(v[i]);
+    reinterpret_cast<typename Pack<T, N>::word_t*>(base)[pack_id] = WordOf<T, N>::make(e);
   }
   __device__ __forceinline__ void get(int pack_id, C* v) const {
     Pack<T, N> pack;
