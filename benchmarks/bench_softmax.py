@@ -62,7 +62,8 @@ def main() -> None:
             for r in res:
                 r["sweep"] = label
                 if r["peer"] == "cukern":
-                    r["variant"] = cukern.explain(op, (r["rows"], r["cols"]), r["dtype"]).variant.value
+                    plan = cukern.explain(op, (r["rows"], r["cols"]), r["dtype"])
+                    r["variant"] = plan.variant.value
             results += res
             print(f"{op} {label}: done", flush=True)
     overhead = _bench.host_overhead_us()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

@@ -34,7 +34,7 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"cukern: kernel sources not found beside {here}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(family: str) -> str:
     """The self-contained source of ``kernels/<family>.cuh`` with local includes inlined."""
     root = kernel_dir()

@@ -90,7 +90,7 @@ def _current_device_id() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _live_spec(device_id: int) -> DeviceSpec:
     import cupy
 

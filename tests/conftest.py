@@ -70,3 +70,15 @@ def warm_family(family: str) -> None:
 @pytest.fixture(scope="session")
 def warm_softmax():
     warm_family("softmax")
+
+
+@pytest.fixture(scope="session")
+def warm_layer_norm():
+    warm_family("layer_norm")
+
+
+@pytest.fixture(scope="session")
+def warm_kernels():
+    """Every family (the CLI's selftest and precompile touch them all)."""
+    warm_family("softmax")
+    warm_family("layer_norm")

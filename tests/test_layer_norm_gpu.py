@@ -12,7 +12,7 @@ from cukern import reference
 from cukern._dispatch import OPS, Variant, max_dynamic_smem
 from cukern.ops import layer_norm as ln_mod
 
-from .conftest import DTYPES, TOL, warm_family
+from .conftest import DTYPES, TOL
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_layer_norm")]
@@ -22,11 +22,6 @@ BWD = ("layer_norm_backward", "rms_norm_backward")
 ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 # Statistics are float32 (float64 for float64 input) whatever the input: their own tolerance.
 STAT_TOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
-
-
-@pytest.fixture(scope="module")
-def warm_layer_norm():
-    warm_family("layer_norm")
 
 
 def np_dtype(name):
@@ -88,7 +83,7 @@ def variant_shapes(op, dtype, weight=False):
     if spec().has_clusters:
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, 3 * edge // wide * wide), Variant.CLUSTER),
-                   ((2, 8 * edge // wide * wide), Variant.CLUSTER),
+                   ((2, 8 * (edge // wide) * wide), Variant.CLUSTER),
                    ((2, 8 * edge + 64 * wide), Variant.BLOCK_UNCACHED)]
     else:
         shapes += [((2, edge + 64 * wide), Variant.BLOCK_UNCACHED)]

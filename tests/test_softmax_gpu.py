@@ -93,7 +93,7 @@ def variant_shapes(op, dtype):
     if spec().has_clusters:
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, (3 * edge) // wide * wide), Variant.CLUSTER),
-                   ((2, cluster_cap // wide * wide), Variant.CLUSTER)]
+                   ((2, 8 * (edge // wide) * wide), Variant.CLUSTER)]
     shapes += [((2, cluster_cap + wide * 64), Variant.BLOCK_UNCACHED)]
     return shapes
 
@@ -112,7 +112,8 @@ def test_every_variant_at_its_edges(op, dtype, rng):
 @pytest.mark.parametrize("op", FWD + BWD)
 def test_uncached_at_short_rows(op, dtype, rng, monkeypatch):
     """The uncached kernel on ordinary rows, by making the block kernels unlaunchable."""
-    from cukern.ops import _common, softmax as mod
+    from cukern.ops import _common
+    from cukern.ops import softmax as mod
 
     monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
     monkeypatch.setattr(mod, "_launches", {})

@@ -209,8 +209,6 @@ def driver_occupancy(device_id: int):
     """Occupancy from the CUDA driver for the compiled candidate kernel."""
     from cupy_backends.cuda.api import driver
 
-    spec = device_spec(device_id)
-
     def occ(plan: _dispatch.Plan) -> int:
         kern = kernel(plan, device_id)
         if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _common as c
 from .. import _dispatch
+from . import _common as c
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]
 

@@ -1,0 +1,5 @@
+"""``python -m cukern``: the command line."""
+
+from .cli import main
+
+main()

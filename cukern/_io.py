@@ -1,0 +1,363 @@
+"""Arrays on disk for the command line: opening ``.npy`` files and ``.npz`` members without
+reading them into memory, and writing outputs that appear only when complete.
+
+Inputs are memory-mapped read-only (an ``.npz`` member too when it is stored uncompressed, as
+``np.savez`` writes it; a compressed member is decompressed into memory). NumPy saves
+``ml_dtypes.bfloat16`` arrays as raw 2-byte records (``'<V2'``); those are read as bfloat16.
+
+Outputs go to a hidden temporary file beside the target (``.OUT.npy.XXXX.part``), with the disk
+space reserved up front, and are renamed into place by :meth:`Outputs.commit`; until then the
+target is untouched, and :meth:`Outputs.discard` (or leaving the ``with`` block on an error)
+removes every temporary file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["InputError", "RunError", "open_array", "float_dtype", "Outputs", "check_outputs"]
+
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+FLOAT_NAMES = "float16, bfloat16, float32 or float64"
+
+
+class InputError(Exception):
+    """The user's files or arguments are wrong (the command exits with status 2)."""
+
+
+class RunError(Exception):
+    """The machine cannot do it: no GPU, no disk space, out of memory (exit status 1)."""
+
+
+def _bf16():
+    from ml_dtypes import bfloat16
+
+    return np.dtype(bfloat16)
+
+
+def float_dtype(dtype: np.dtype, what: str) -> np.dtype:
+    """The native float dtype cukern computes in for data stored as ``dtype`` (raw ``V2``
+    records are bfloat16), or InputError naming ``what``."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise InputError(f"{what} holds Python objects (dtype object); expected {FLOAT_NAMES}")
+    if dtype.kind == "V" and dtype.names is None and dtype.itemsize == 2 and not dtype.shape:
+        return _bf16()
+    if dtype.kind == "f" and dtype.itemsize in (2, 4, 8):
+        return dtype.newbyteorder("=")
+    if dtype == _bf16():
+        return dtype
+    raise InputError(f"{what} has dtype {dtype}; expected {FLOAT_NAMES}")
+
+
+def split_spec(spec: str) -> tuple[Path, str | None]:
+    """``PATH`` or ``PATH.npz:KEY`` -> (path, key). A name that exists as a file wins."""
+    if os.path.exists(spec) or ":" not in spec:
+        return Path(spec), None
+    path, key = spec.rsplit(":", 1)
+    return Path(path), key
+
+
+def open_array(spec: str, what: str | None = None) -> np.ndarray:
+    """Open ``PATH.npy`` or ``PATH.npz[:KEY]`` read-only, memory-mapped where possible.
+
+    The result has a float dtype (bfloat16 for raw 2-byte records). Raises InputError with a
+    one-line message for a missing file, a file that is neither .npy nor .npz, an unknown key,
+    or a dtype that is not float16, bfloat16, float32 or float64.
+    """
+    path, key = split_spec(spec)
+    what = what or spec
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if path.is_dir():
+        raise InputError(f"{path} is a directory, not an .npy or .npz file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+    except OSError as err:
+        raise InputError(f"{path}: cannot read ({err.strerror})") from None
+    if magic.startswith(_NPY_MAGIC):
+        if key is not None:
+            raise InputError(f"{path} is an .npy file; ':{key}' names an array in an .npz file")
+        return _map_npy(path, 0, what)
+    if magic[:4] in _ZIP_MAGIC:
+        return _open_member(path, key, what)
+    raise InputError(f"{path} is not an .npy or .npz file")
+
+
+def _read_header(f, what: str):
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"format version {version[0]}.{version[1]}")
+    except ValueError as err:
+        raise InputError(f"{what} is not a readable .npy array ({err})") from None
+    return tuple(shape), bool(fortran), dtype, f.tell()
+
+
+def _map_npy(path: Path, start: int, what: str) -> np.ndarray:
+    """Memory-map the .npy image that begins ``start`` bytes into ``path``."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        shape, fortran, stored, header_end = _read_header(f, what)
+    dtype = float_dtype(stored, what)
+    count = int(np.prod(shape, dtype=np.int64))
+    need = header_end + count * stored.itemsize
+    have = path.stat().st_size
+    if have < need:
+        raise InputError(f"{what} is truncated: its header promises {need - header_end} bytes "
+                         f"of data, the file holds {max(have - header_end, 0)}")
+    order = "F" if fortran else "C"
+    if count == 0:
+        return np.empty(shape, dtype, order=order)
+    arr = np.memmap(path, dtype=stored, mode="r", offset=header_end, shape=shape, order=order)
+    return _as_float(arr, stored, dtype)
+
+
+def _as_float(arr: np.ndarray, stored: np.dtype, dtype: np.dtype) -> np.ndarray:
+    """Raw 2-byte records become bfloat16 in place; other floats keep their stored byte order
+    (NumPy converts when they are copied)."""
+    return arr.view(dtype) if stored.kind == "V" else arr
+
+
+def _open_member(path: Path, key: str | None, what: str) -> np.ndarray:
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise InputError(f"{path} is not an .npy or .npz file (a damaged zip archive)") from None
+    with zf:
+        members = {n[:-4]: info for info in zf.infolist()
+                   if (n := info.filename).endswith(".npy")}
+        names = ", ".join(sorted(members)) or "none"
+        if key is None:
+            if len(members) != 1:
+                raise InputError(f"{path} holds {len(members)} arrays ({names}); name one as "
+                                 f"{path}:KEY")
+            key = next(iter(members))
+        if key not in members:
+            raise InputError(f"{path} has no array {key!r} (it holds: {names})")
+        info = members[key]
+        label = f"{path}:{key}"
+        if info.compress_type == zipfile.ZIP_STORED:
+            with open(path, "rb") as f:
+                f.seek(info.header_offset)
+                local = f.read(30)
+            start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + \
+                int.from_bytes(local[28:30], "little")
+            return _map_npy(path, start, label)
+        with zf.open(info) as f:  # compressed: the member must be read into memory
+            shape, fortran, stored, _ = _read_header(f, label)
+            dtype = float_dtype(stored, label)
+            data = np.frombuffer(f.read(), dtype=stored)
+    count = int(np.prod(shape, dtype=np.int64))
+    if data.size < count:
+        raise InputError(f"{label} is truncated")
+    return _as_float(data[:count].reshape(shape, order="F" if fortran else "C"), stored, dtype)
+
+
+def c_order(a: np.ndarray, what: str) -> np.ndarray:
+    """``a`` itself when C-contiguous (a memory map stays one); a Fortran-ordered file is read
+    into memory in C order, or refused when that would not fit."""
+    if a.flags.c_contiguous:
+        return a
+    avail = _available_memory()
+    if avail is not None and a.nbytes > avail // 2:
+        raise RunError(f"{what} is stored in Fortran order and too large ({_size(a.nbytes)}) to "
+                       f"reorder in memory; re-save it in C order (np.save(path, "
+                       f"np.ascontiguousarray(a)))")
+    return np.ascontiguousarray(a)
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def check_outputs(targets: dict[str, tuple[Path, int]], inputs: list[Path], *,
+                  overwrite: bool) -> None:
+    """Refuse outputs that are inputs, existing files without ``overwrite``, directories or
+    missing folders, and outputs the disk cannot hold. ``targets``: option -> (path, bytes)."""
+    seen: dict[str, str] = {}
+    for opt, (path, _) in targets.items():
+        real = os.path.realpath(path)
+        if real in seen:
+            raise InputError(f"{opt} {path} is also given as {seen[real]}")
+        seen[real] = opt
+        for src in inputs:
+            if real == os.path.realpath(src) or (path.exists() and _same(path, src)):
+                raise InputError(f"{opt} {path} is an input file; cukern never writes over its "
+                                 f"inputs")
+        if path.is_dir():
+            raise InputError(f"{opt} {path} is a directory")
+        if not path.parent.is_dir():
+            raise InputError(f"{opt} {path}: folder {path.parent} does not exist")
+        if path.exists() and not overwrite:
+            raise InputError(f"{opt} {path} exists; pass --overwrite to replace it")
+        if not os.access(path.parent, os.W_OK):
+            raise RunError(f"{opt} {path}: folder {path.parent} is not writable")
+    need: dict[int, tuple[Path, int, list[str]]] = {}
+    for path, nbytes in targets.values():
+        dev = path.parent.stat().st_dev
+        folder, total, names = need.get(dev, (path.parent, 0, []))
+        need[dev] = (folder, total + nbytes, names + [str(path)])
+    for folder, total, names in need.values():
+        free = shutil.disk_usage(folder).free
+        if total > free:
+            raise RunError(f"not enough disk space for {', '.join(names)}: needs "
+                           f"{_size(total)}, {folder} has {_size(free)} free")
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def npy_bytes(shape, dtype) -> int:
+    """Size of an .npy file holding an array of this shape and dtype (header included)."""
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 128
+
+
+class Outputs:
+    """Output files that appear only when complete.
+
+    ``npy`` and ``scratch`` give writable memory maps on hidden temporary files beside their
+    targets; ``npz`` writes an archive to one; :meth:`commit` flushes, syncs and renames every
+    output into place. Leaving a ``with Outputs()`` block without committing removes all of
+    them, so a failed or interrupted run leaves no partial file.
+    """
+
+    def __init__(self):
+        self._temps: list[Path] = []
+        self._moves: list[tuple[Path, Path]] = []
+        self._maps: list[np.memmap] = []
+        self._committed = False
+
+    def __enter__(self) -> Outputs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._committed:
+            self.discard()
+
+    def _temp(self, target: Path) -> Path:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part",
+                                    dir=target.parent)
+        os.close(fd)
+        tmp = Path(name)
+        self._temps.append(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        return tmp
+
+    def npy(self, target: Path, shape, dtype) -> np.ndarray:
+        """A writable array that becomes ``target`` (an .npy file) on commit."""
+        tmp = self._temp(target)
+        self._moves.append((tmp, target))
+        return self._map(tmp, target, shape, dtype)
+
+    def scratch(self, near: Path, shape, dtype) -> np.ndarray:
+        """A writable array on disk beside ``near``, removed when the run ends."""
+        return self._map(self._temp(near), near, shape, dtype)
+
+    def _map(self, tmp: Path, target: Path, shape, dtype) -> np.ndarray:
+        shape = tuple(int(n) for n in shape)
+        if int(np.prod(shape, dtype=np.int64)) == 0:
+            arr = np.empty(shape, dtype)
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
+            return arr
+        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        _reserve(tmp, target)
+        self._maps.append(mm)
+        return mm
+
+    def npz(self, target: Path, arrays: dict[str, np.ndarray]) -> None:
+        """Write ``arrays`` (memory maps included) as an uncompressed .npz that becomes
+        ``target`` on commit."""
+        tmp = self._temp(target)
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        self._moves.append((tmp, target))
+
+    def commit(self) -> None:
+        """Flush and sync every output, then rename each into place."""
+        for mm in self._maps:
+            mm.flush()
+        self._maps.clear()
+        folders = set()
+        for tmp, _ in self._moves:
+            _fsync(tmp)
+        for tmp, target in self._moves:
+            os.replace(tmp, target)
+            self._temps.remove(tmp)
+            folders.add(target.parent)
+        for folder in folders:
+            _fsync(folder)
+        self._committed = True
+        self.discard()  # scratch files
+
+    def discard(self) -> None:
+        """Remove every temporary file (outputs not committed, and scratch)."""
+        self._maps.clear()
+        for tmp in self._temps:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+        self._temps.clear()
+        self._moves.clear()
+
+
+def _reserve(path: Path, target: Path) -> None:
+    """Allocate the file's blocks now: writing through a memory map onto a full disk would kill
+    the process with SIGBUS instead of raising."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RunError(f"not enough disk space for {target}: {_size(os.fstat(fd).st_size)} "
+                           f"could not be reserved in {path.parent}") from None
+        # EOPNOTSUPP, EINVAL and friends: the file system cannot reserve; carry on
+    except AttributeError:  # pragma: no cover - no posix_fallocate on this platform
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

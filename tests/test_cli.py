@@ -1,0 +1,838 @@
+"""The command line end to end on the CPU (``--device cpu``, the float64 NumPy reference path):
+every command's help, the ops on .npy and .npz inputs, chunked against single-shot, atomic
+outputs, refusals, and every error with its exit status and one-line message.
+
+The GPU pipeline's bookkeeping (tiles, double-buffered slots, pinned buffers, summed outputs)
+also runs here against a stand-in for CuPy built on NumPy; tests/test_cli_gpu.py runs it on a
+real GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import cukern
+from cukern import _io, cli, reference
+from cukern.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+NORMS = all(hasattr(reference, n) for n in ("layer_norm", "layer_norm_backward", "rms_norm",
+                                            "rms_norm_backward"))
+needs_norms = pytest.mark.skipif(not NORMS, reason="cukern.reference has no layer/RMS norm yet")
+
+
+def _runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)  # click < 8.2
+    except TypeError:
+        return CliRunner()
+
+
+def run(*args, code: int = 0):
+    """Invoke the CLI in-process; check the exit status; return the result."""
+    result = _runner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr,
+                                      result.exception)
+    return result
+
+
+def fails(*args, code: int, says: str):
+    """The command fails with ``code`` and one line on stderr that contains ``says``."""
+    result = run(*args, code=code)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ") and says in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    return lines[0]
+
+
+def save(path: Path, a) -> str:
+    np.save(path, a)
+    return str(path)
+
+
+def digest(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".part"))
+
+
+def bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def ref_rows(fn, a, axis=-1, *more):
+    """A softmax reference along ``axis`` computed on contiguous rows, as the CPU path does
+    (NumPy's summation order, hence the last bit, depends on the memory layout)."""
+    rows = [np.ascontiguousarray(np.moveaxis(np.asarray(v), axis, -1)) for v in (a, *more)]
+    return np.moveaxis(fn(*rows, axis=-1), -1, axis)
+
+
+def bf16():
+    from ml_dtypes import bfloat16
+
+    return np.dtype(bfloat16)
+
+
+@pytest.fixture
+def x(tmp_path, rng):
+    return save(tmp_path / "x.npy", rng.standard_normal((37, 50)).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------
+# help
+
+
+COMMANDS = list(app.commands)
+
+
+def test_group_help_lists_every_command():
+    out = run("--help").stdout
+    for name in COMMANDS:
+        assert f"  {name} " in out
+    assert {"softmax", "layer-norm", "rms-norm", "explain", "info", "bench", "selftest",
+            "precompile"} <= set(COMMANDS)
+
+
+def test_version():
+    assert run("--version").stdout.strip() == f"cukern {cukern.__version__}"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_command_help(name):
+    out = run(name, "--help").stdout
+    assert out.startswith(f"Usage: cukern {name} ")
+    assert "--debug" in out and "-h, --help" in out
+
+
+def test_console_script_and_forwarder_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    top = subprocess.run([sys.executable, str(ROOT / "cli.py"), "--help"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert top.returncode == 0 and "Usage: cukern" in top.stdout
+    # A real process: the error is one line on stderr, exit status 2, no traceback.
+    bad = subprocess.run([sys.executable, "-m", "cukern", "softmax", "missing.npy", "-o",
+                          "out.npy", "--device", "cpu"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "Error: missing.npy: no such file"
+    debug = subprocess.run([sys.executable, "-m", "cukern", "--debug", "softmax", "missing.npy",
+                            "-o", "out.npy", "--device", "cpu"], capture_output=True, text=True,
+                           env=env, cwd=tmp_path)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# softmax end to end
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_softmax_forward_matches_reference(tmp_path, rng, log, dtype):
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    xs = rng.standard_normal((23, 40)).astype(dt)
+    x = save(tmp_path / "x.npy", xs)
+    out = tmp_path / "y.npy"
+    run("softmax", x, "-o", out, "--device", "cpu", *(["--log"] if log else []))
+    ref = (reference.log_softmax if log else reference.softmax)(xs).astype(dt)
+    got = np.load(out)
+    if dtype == "bfloat16":  # NumPy stores bfloat16 as raw 2-byte records
+        assert got.dtype == np.dtype("V2")
+        got = got.view(dt)
+    assert got.dtype == dt and bits(got) == bits(ref)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_backward(tmp_path, rng, log):
+    xs = rng.standard_normal((19, 33))
+    ys = (reference.log_softmax if log else reference.softmax)(xs)
+    dys = rng.standard_normal(xs.shape)
+    y, dy = save(tmp_path / "y.npy", ys), save(tmp_path / "dy.npy", dys)
+    out = tmp_path / "dx.npy"
+    run("softmax", y, "--grad", dy, "-o", out, "--device", "cpu", *(["--log"] if log else []))
+    ref = (reference.log_softmax_backward if log else reference.softmax_backward)(ys, dys)
+    assert bits(np.load(out)) == bits(ref)
+
+
+def test_dtype_option_casts(tmp_path, x):
+    out = tmp_path / "y.npy"
+    run("softmax", x, "-o", out, "--device", "cpu", "--dtype", "float16")
+    xs = np.load(x)
+    assert np.load(out).dtype == np.float16
+    assert bits(np.load(out)) == bits(reference.softmax(xs.astype(np.float16)).astype(np.float16))
+
+
+def test_npz_inputs(tmp_path, rng):
+    a = rng.standard_normal((9, 12)).astype(np.float32)
+    np.savez(tmp_path / "s.npz", logits=a, other=np.ones(3))
+    np.savez_compressed(tmp_path / "c.npz", a)
+    np.savez(tmp_path / "one.npz", only=a)
+    ref = bits(reference.softmax(a).astype(np.float32))
+    for spec in (f"{tmp_path}/s.npz:logits", f"{tmp_path}/c.npz:arr_0", f"{tmp_path}/one.npz"):
+        out = tmp_path / "y.npy"
+        run("softmax", spec, "-o", out, "--device", "cpu", "--overwrite")
+        assert bits(np.load(out)) == ref, spec
+
+
+def test_stored_npz_member_is_memory_mapped(tmp_path, rng):
+    a = rng.standard_normal((5, 6))
+    np.savez(tmp_path / "s.npz", a=a, b=a + 1)
+    got = _io.open_array(f"{tmp_path}/s.npz:b")
+    assert isinstance(got, np.memmap) and np.array_equal(got, a + 1)
+
+
+def test_fortran_order_input(tmp_path, rng):
+    a = rng.standard_normal((11, 13, 7))
+    xf = save(tmp_path / "f.npy", np.asfortranarray(a))
+    out = tmp_path / "y.npy"
+    run("softmax", xf, "-o", out, "--device", "cpu", "--axis", "1", "--chunk-rows", "3")
+    assert bits(np.load(out)) == bits(ref_rows(reference.softmax, a, 1))
+
+
+def test_big_endian_input(tmp_path, rng, monkeypatch):
+    a = rng.standard_normal((13, 21))
+    x = save(tmp_path / "x.npy", a.astype(">f4"))
+    out = tmp_path / "y.npy"
+    run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "4")
+    want = bits(reference.softmax(a.astype(np.float32)).astype(np.float32))
+    assert np.load(out).dtype == np.dtype("<f4") and bits(np.load(out)) == want
+    _fake_gpu(monkeypatch)
+    run("softmax", x, "-o", out, "--chunk-rows", "4", "--overwrite")
+    assert bits(np.load(out)) == want
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (3, 0, 4)])
+def test_empty_arrays(tmp_path, shape):
+    x = save(tmp_path / "x.npy", np.zeros(shape, np.float32))
+    out = tmp_path / "y.npy"
+    run("softmax", x, "-o", out, "--device", "cpu")
+    got = np.load(out)
+    assert got.shape == shape and got.dtype == np.float32
+
+
+# ------------------------------------------------------------------------------------------
+# chunked == single-shot
+
+
+@pytest.mark.parametrize("shape,axis", [((37, 50), -1), ((6, 7, 24), -1), ((6, 7, 24), 1),
+                                        ((6, 7, 24), 0), ((101,), 0), ((1, 40), -1)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 1000])
+def test_chunked_equals_single_shot(tmp_path, rng, shape, axis, rows):
+    xs = rng.standard_normal(shape).astype(np.float32)
+    x = save(tmp_path / "x.npy", xs)
+    one, many = tmp_path / "one.npy", tmp_path / "many.npy"
+    run("softmax", x, "-o", one, "--device", "cpu", "--axis", axis)
+    run("softmax", x, "-o", many, "--device", "cpu", "--axis", axis, "--chunk-rows", rows)
+    assert bits(np.load(one)) == bits(np.load(many))
+    assert bits(np.load(one)) == bits(ref_rows(reference.softmax, xs, axis).astype(np.float32))
+
+
+def test_chunked_backward(tmp_path, rng):
+    ys = reference.softmax(rng.standard_normal((29, 17))).astype(np.float32)
+    y = save(tmp_path / "y.npy", ys)
+    dy = save(tmp_path / "dy.npy", rng.standard_normal(ys.shape).astype(np.float32))
+    one, many = tmp_path / "one.npy", tmp_path / "many.npy"
+    run("softmax", y, "--grad", dy, "-o", one, "--device", "cpu")
+    run("softmax", y, "--grad", dy, "-o", many, "--device", "cpu", "--chunk-rows", "4")
+    assert bits(np.load(one)) == bits(np.load(many))
+
+
+def test_tiles_cover_every_row_once():
+    from cukern._chunked import tiles
+
+    for p, q, rows in [(7, 1, 3), (1, 30, 4), (4, 6, 3), (4, 6, 13), (5, 5, 100)]:
+        seen = np.zeros((p, q), int)
+        for p0, p1, q0, q1 in tiles(p, q, rows):
+            assert (p1 - p0) * (q1 - q0) <= rows
+            seen[p0:p1, q0:q1] += 1
+        assert (seen == 1).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Atomic outputs, refusals
+
+
+def _fail_on_call(monkeypatch, n: int, exc: BaseException):
+    """Make reference.softmax raise ``exc`` on its n-th call (the n-th chunk)."""
+    real = reference.softmax
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "softmax", flaky)
+    return calls
+
+
+def test_failure_mid_run_leaves_nothing(tmp_path, x, monkeypatch):
+    before = digest(x)
+    calls = _fail_on_call(monkeypatch, 2, RuntimeError("injected failure"))
+    out = tmp_path / "y.npy"
+    fails("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", code=1,
+          says="RuntimeError: injected failure")
+    assert len(calls) == 2  # it failed after the first chunk was written
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert digest(x) == before
+
+
+def test_interrupt_leaves_nothing(tmp_path, x, monkeypatch):
+    _fail_on_call(monkeypatch, 3, KeyboardInterrupt())
+    out = tmp_path / "y.npy"
+    result = run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", code=1)
+    assert "Aborted" in result.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_sigterm_leaves_nothing(tmp_path, rng):
+    """A real process killed with SIGTERM mid-run cleans up its temporary output."""
+    import signal
+    import time
+
+    x = save(tmp_path / "x.npy", rng.standard_normal((40_000, 1000)).astype(np.float16))
+    out = tmp_path / "y.npy"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "cukern", "softmax", x, "-o", str(out),
+                             "--device", "cpu", "--chunk-rows", "10"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert leftovers(tmp_path), "the run finished before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_failed_overwrite_keeps_the_old_output(tmp_path, x, monkeypatch):
+    out = tmp_path / "y.npy"
+    run("softmax", x, "-o", out, "--device", "cpu")
+    old = digest(out)
+    _fail_on_call(monkeypatch, 2, RuntimeError("boom"))
+    run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", "--overwrite", code=1)
+    assert digest(out) == old and leftovers(tmp_path) == []
+
+
+def test_overwrite(tmp_path, x):
+    out = tmp_path / "y.npy"
+    run("softmax", x, "-o", out, "--device", "cpu")
+    fails("softmax", x, "-o", out, "--device", "cpu", code=2,
+          says=f"-o {out} exists; pass --overwrite")
+    run("softmax", x, "-o", out, "--device", "cpu", "--log", "--overwrite")
+    assert bits(np.load(out)) == bits(reference.log_softmax(np.load(x)).astype(np.float32))
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_output_equal_to_an_input_is_refused(tmp_path, x, rng):
+    before = digest(x)
+    link = tmp_path / "link.npy"
+    link.symlink_to(x)
+    hard = tmp_path / "hard.npy"
+    os.link(x, hard)
+    for out in (x, f"{tmp_path}/./x.npy", link, hard):
+        for flags in ([], ["--overwrite"]):
+            fails("softmax", x, "-o", out, "--device", "cpu", *flags, code=2,
+                  says="is an input file")
+    dy = save(tmp_path / "dy.npy", rng.standard_normal((37, 50)).astype(np.float32))
+    fails("softmax", x, "--grad", dy, "-o", dy, "--device", "cpu", "--overwrite", code=2,
+          says="is an input file")
+    assert digest(x) == before
+
+
+# ------------------------------------------------------------------------------------------
+# Errors: one line, the right exit status, no traceback
+
+
+def test_input_errors(tmp_path, rng, x):
+    d = tmp_path
+    (d / "notes.txt").write_text("hello\n")
+    (d / "junk.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
+    np.save(d / "ints.npy", np.arange(12).reshape(3, 4))
+    np.save(d / "cplx.npy", np.ones((3, 4), np.complex64))
+    np.save(d / "obj.npy", np.array([[1, "a"]], dtype=object), allow_pickle=True)
+    np.save(d / "scalar.npy", np.float32(3))
+    np.save(d / "small.npy", np.ones((3, 5), np.float32))
+    np.save(d / "trunc.npy", np.ones((30, 50), np.float32))
+    with open(d / "trunc.npy", "r+b") as f:
+        f.truncate(500)
+    np.savez(d / "two.npz", a=np.ones(3), b=np.ones(3))
+    os.mkdir(d / "folder.npy")
+    o = ["-o", d / "out.npy", "--device", "cpu"]
+    cases = [
+        (["softmax", d / "missing.npy"], "missing.npy: no such file"),
+        (["softmax", d / "folder.npy"], "is a directory"),
+        (["softmax", d / "notes.txt"], "notes.txt is not an .npy or .npz file"),
+        (["softmax", d / "junk.npy"], "junk.npy is not a readable .npy array"),
+        (["softmax", d / "trunc.npy"], "trunc.npy is truncated"),
+        (["softmax", f"{d}/two.npz:c"], "two.npz has no array 'c' (it holds: a, b)"),
+        (["softmax", d / "two.npz"], "holds 2 arrays (a, b); name one"),
+        (["softmax", f"{d}/missing.npz:a"], "missing.npz: no such file"),
+        (["softmax", d / "ints.npy"], "ints.npy has dtype int64; expected float16, bfloat16"),
+        (["softmax", d / "cplx.npy"], "has dtype complex64"),
+        (["softmax", d / "obj.npy"], "holds Python objects"),
+        (["softmax", d / "scalar.npy"], "is a 0-d array"),
+        (["softmax", x, "--axis", "2"], "--axis 2 is out of range for"),
+        (["softmax", x, "--grad", d / "small.npy"], "--grad"),
+        (["softmax", x, "--grad", d / "ints.npy"], "--grad"),
+    ]
+    for args, says in cases:
+        fails(*args, *o, code=2, says=says)
+    fails("softmax", x, "-o", d / "out.npy", "--device", "tpu", code=2,
+          says="--device tpu: expected gpu, gpu:N or cpu")
+    fails("softmax", x, "-o", d / "out.txt", "--device", "cpu", code=2,
+          says="must be a .npy file")
+    fails("softmax", x, "-o", d / "nowhere" / "out.npy", "--device", "cpu", code=2,
+          says="does not exist")
+    fails("softmax", x, "-o", d / "folder.npy", "--device", "cpu", "--overwrite", code=2,
+          says="is a directory")
+    assert leftovers(d) == [] and not (d / "out.npy").exists()
+
+
+def test_no_gpu(tmp_path, x, monkeypatch):
+    monkeypatch.setattr(cli, "_gpu_problem", lambda dev=0: "no CUDA GPU visible (test)")
+    fails("softmax", x, "-o", tmp_path / "y.npy", code=1,
+          says="no CUDA GPU visible (test); --device cpu runs the NumPy reference instead")
+    fails("selftest", code=1, says="no CUDA GPU visible")
+    fails("bench", "--vs", "none", code=1, says="no CUDA GPU visible")
+    fails("precompile", code=1, says="no CUDA GPU visible")
+    assert not (tmp_path / "y.npy").exists()
+
+
+def test_not_enough_disk(tmp_path, x, monkeypatch):
+    usage = types.SimpleNamespace(total=10**9, used=10**9 - 100, free=100)
+    monkeypatch.setattr(_io.shutil, "disk_usage", lambda path: usage)
+    fails("softmax", x, "-o", tmp_path / "y.npy", "--device", "cpu", code=1,
+          says="not enough disk space for")
+    assert leftovers(tmp_path) == [] and not (tmp_path / "y.npy").exists()
+
+
+def test_disk_fills_while_reserving(tmp_path, x, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_io.os, "posix_fallocate", full)
+    fails("softmax", x, "-o", tmp_path / "y.npy", "--device", "cpu", code=1,
+          says="not enough disk space for")
+    assert leftovers(tmp_path) == [] and not (tmp_path / "y.npy").exists()
+
+
+def test_debug_shows_the_exception(tmp_path, x, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("deep failure")
+
+    monkeypatch.setattr(reference, "softmax", broken)
+    quiet = run("softmax", x, "-o", tmp_path / "a.npy", "--device", "cpu", code=1)
+    assert "Traceback" not in quiet.stderr and "--debug" in quiet.stderr
+    for args in (["--debug", "softmax", x], ["softmax", x, "--debug"]):
+        result = _runner().invoke(app, [str(a) for a in args] +
+                                  ["-o", str(tmp_path / "b.npy"), "--device", "cpu"])
+        assert isinstance(result.exception, RuntimeError)
+        assert str(result.exception) == "deep failure"
+    assert leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU pipeline's bookkeeping, on a stand-in for CuPy
+
+
+class _HostArray(np.ndarray):
+    """A NumPy array posing as a CuPy one: ``.data`` copies to and from host pointers."""
+
+    @property
+    def data(self):
+        arr = self
+
+        class Ptr:
+            def copy_from_host_async(self, mem, size, stream=None):
+                ctypes.memmove(arr.ctypes.data, getattr(mem, "value", mem), size)
+
+            def copy_to_host_async(self, mem, size, stream=None):
+                ctypes.memmove(getattr(mem, "value", mem), arr.ctypes.data, size)
+
+        return Ptr()
+
+
+def _fake_cupy(free=1 << 30):
+    class Ctx:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def synchronize(self):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+    def dev(a):
+        return np.asarray(a).view(_HostArray)
+
+    cuda = types.SimpleNamespace(
+        Device=Ctx, Stream=Ctx, Event=Ctx,
+        alloc_pinned_memory=lambda n: bytearray(n),
+        runtime=types.SimpleNamespace(memGetInfo=lambda: (free, 2 * free),
+                                      getDeviceCount=lambda: 1))
+    return types.SimpleNamespace(
+        cuda=cuda, empty=lambda n, dtype: dev(np.empty(n, dtype)), asarray=dev,
+        ascontiguousarray=lambda a: dev(np.ascontiguousarray(a)),
+        asnumpy=lambda a, stream=None: np.asarray(a),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_bytes=lambda: 0))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Run the GPU code path with NumPy: the reference ops on a stand-in CuPy."""
+    _fake_gpu(monkeypatch)
+
+
+def _fake_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(cli, "_gpu_problem", lambda dev=0: None)
+    monkeypatch.setattr(cli, "_require",
+                        lambda device, name, command: getattr(reference, name))
+
+
+@pytest.mark.parametrize("rows", [None, 1, 4, 7])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_gpu_pipeline_bookkeeping(tmp_path, rng, fake_gpu, rows, axis):
+    xs = rng.standard_normal((33, 9, 20)).astype(np.float32)
+    x = save(tmp_path / "x.npy", xs)
+    out = tmp_path / "y.npy"
+    extra = [] if rows is None else ["--chunk-rows", rows]
+    run("softmax", x, "-o", out, "--axis", axis, *extra)
+    # NumPy on strided tiles stands in for the kernels: right to the last bit only up to
+    # NumPy's layout-dependent summation order.
+    np.testing.assert_allclose(np.load(out), reference.softmax(xs, axis=axis), rtol=1e-6,
+                               atol=1e-9)
+
+
+def test_gpu_auto_chunk_rows_from_free_memory(monkeypatch):
+    from cukern._chunked import Result, auto_chunk_rows
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1 << 20))
+    x = np.zeros((1000, 256, 1), np.float32)
+    rows = auto_chunk_rows([x], [Result("y", 256, np.float32)], 0, np.float32)
+    # Two slots, each holding the tile, its cast, the output and its cast (+25%), in half of
+    # the free megabyte.
+    assert rows == (1 << 19) // (2 * (int(256 * 16 * 1.25) + 64))
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1 << 10))
+    with pytest.raises(_io.RunError, match="too long to process on this GPU"):
+        auto_chunk_rows([x], [Result("y", 256, np.float32)], 0, np.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# layer-norm and rms-norm
+
+
+@pytest.fixture
+def norm_files(tmp_path, rng):
+    f = {}
+    for name, a in (("x", rng.standard_normal((6, 7, 24))),
+                    ("dy", rng.standard_normal((6, 7, 24))),
+                    ("w", 1 + 0.1 * rng.standard_normal(24)),
+                    ("b", 0.1 * rng.standard_normal(24)),
+                    ("w2", 1 + 0.1 * rng.standard_normal((7, 24)))):
+        f[name] = save(tmp_path / f"{name}.npy", a.astype(np.float32))
+    return f
+
+
+def test_norm_argument_errors(tmp_path, norm_files):
+    f = norm_files
+    o = ["-o", tmp_path / "y.npy", "--device", "cpu"]
+    fails("layer-norm", f["x"], "--weight", f["w2"], "--normalized-ndim", "1", *o, code=2,
+          says="--weight " + f["w2"] + " has shape 7x24, expected 24, the normalized shape")
+    fails("rms-norm", f["x"], "--weight", f["w"], "--normalized-ndim", "2", *o, code=2,
+          says="has shape 24, expected 7x24")
+    fails("layer-norm", f["x"], "--bias", f["w2"], *o, code=2, says="--bias")
+    fails("layer-norm", f["x"], "--normalized-ndim", "4", *o, code=2,
+          says="has 3 dimensions; normalizing over the last 4 needs at least 4")
+    fails("layer-norm", f["x"], "--normalized-shape", "5x24", *o, code=2,
+          says="--normalized-shape 5x24 does not match")
+    fails("layer-norm", f["x"], "--normalized-shape", "ax", *o, code=2,
+          says="expected sizes like 768 or 12x64")
+    fails("layer-norm", f["x"], "--param-grads", tmp_path / "g.npz", *o, code=2,
+          says="--param-grads needs --grad")
+    fails("rms-norm", f["x"], "--grad", f["dy"], "--param-grads", tmp_path / "g.npz", *o,
+          code=2, says="--param-grads needs --weight")
+    fails("layer-norm", f["x"], "--grad", f["w"], *o, code=2, says="--grad")
+    fails("layer-norm", f["x"], "--stats", tmp_path / "s.npy", *o, code=2,
+          says="must be a .npz file")
+    fails("layer-norm", f["x"], "--grad", f["dy"], "--stats", f["w"], *o, code=2,
+          says="expected the .npz file the forward pass wrote")
+    np.savez(tmp_path / "bad.npz", mean=np.zeros(6, np.float32), rstd=np.ones(6, np.float32))
+    fails("layer-norm", f["x"], "--grad", f["dy"], "--stats", tmp_path / "bad.npz", *o, code=2,
+          says="bad.npz:mean has shape 6, expected 6x7 (one value per row of IN)")
+    np.savez(tmp_path / "rms.npz", rstd=np.ones((6, 7), np.float32))
+    fails("layer-norm", f["x"], "--grad", f["dy"], "--stats", tmp_path / "rms.npz", *o, code=2,
+          says="rms.npz has no array 'mean' (it holds: rstd)")
+
+
+@needs_norms
+@pytest.mark.parametrize("rows", ["1", "5", "100"])
+def test_layer_norm_forward(tmp_path, norm_files, rows):
+    f = norm_files
+    one, many = tmp_path / "one.npy", tmp_path / "many.npy"
+    common = ["--weight", f["w"], "--bias", f["b"], "--eps", "1e-5", "--device", "cpu"]
+    run("layer-norm", f["x"], "-o", one, "--stats", tmp_path / "s1.npz", *common)
+    run("layer-norm", f["x"], "-o", many, "--stats", tmp_path / "s2.npz", "--chunk-rows", rows,
+        *common)
+    xs, w, b = (np.load(f[k]) for k in ("x", "w", "b"))
+    y, mean, rstd = reference.layer_norm(xs, (24,), w, b, 1e-5)
+    assert bits(np.load(one)) == bits(np.load(many)) == bits(y.astype(np.float32))
+    s1, s2 = np.load(tmp_path / "s1.npz"), np.load(tmp_path / "s2.npz")
+    assert sorted(s1) == ["mean", "rstd"]
+    for k, ref in (("mean", mean), ("rstd", rstd)):
+        assert s1[k].shape == (6, 7) and s1[k].dtype == np.float32
+        assert bits(s1[k]) == bits(s2[k]) == bits(np.asarray(ref).astype(np.float32))
+
+
+@needs_norms
+def test_layer_norm_two_axes(tmp_path, norm_files):
+    f = norm_files
+    out = tmp_path / "y.npy"
+    run("layer-norm", f["x"], "-o", out, "--weight", f["w2"], "--device", "cpu",
+        "--chunk-rows", "4")
+    xs, w2 = np.load(f["x"]), np.load(f["w2"])
+    y = reference.layer_norm(xs, (7, 24), w2, None, 1e-5)[0]
+    assert bits(np.load(out)) == bits(y.astype(np.float32))
+
+
+@needs_norms
+@pytest.mark.parametrize("saved", [True, False])
+def test_layer_norm_backward(tmp_path, norm_files, saved):
+    f = norm_files
+    stats = tmp_path / "s.npz"
+    run("layer-norm", f["x"], "-o", tmp_path / "y.npy", "--stats", stats, "--weight", f["w"],
+        "--device", "cpu")
+    common = ["--grad", f["dy"], "--weight", f["w"], "--device", "cpu",
+              *(["--stats", stats] if saved else [])]
+    run("layer-norm", f["x"], "-o", tmp_path / "dx1.npy", "--param-grads", tmp_path / "g1.npz",
+        *common)
+    run("layer-norm", f["x"], "-o", tmp_path / "dx2.npy", "--param-grads", tmp_path / "g2.npz",
+        "--chunk-rows", "4", *common)
+    xs, dys, w = (np.load(f[k]) for k in ("x", "dy", "w"))
+    s = np.load(stats)
+    dx, dw, db = reference.layer_norm_backward(dys, xs, s["mean"], s["rstd"], w)
+    assert bits(np.load(tmp_path / "dx1.npy")) == bits(np.load(tmp_path / "dx2.npy"))
+    assert bits(np.load(tmp_path / "dx1.npy")) == bits(dx.astype(np.float32))
+    g1, g2 = np.load(tmp_path / "g1.npz"), np.load(tmp_path / "g2.npz")
+    assert sorted(g1) == ["dbias", "dweight"]
+    for k, ref in (("dweight", dw), ("dbias", db)):
+        # Sums over rows: chunked adds per-chunk sums (in float64), so only close.
+        assert g1[k].shape == (24,) and g1[k].dtype == np.float32
+        np.testing.assert_allclose(g1[k], ref, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(g2[k], ref, rtol=1e-6, atol=1e-6)
+
+
+@needs_norms
+def test_rms_norm_forward_and_backward(tmp_path, norm_files):
+    f = norm_files
+    stats = tmp_path / "s.npz"
+    run("rms-norm", f["x"], "-o", tmp_path / "y1.npy", "--stats", stats, "--weight", f["w"],
+        "--device", "cpu")
+    run("rms-norm", f["x"], "-o", tmp_path / "y2.npy", "--weight", f["w"], "--device", "cpu",
+        "--chunk-rows", "3")
+    xs, dys, w = (np.load(f[k]) for k in ("x", "dy", "w"))
+    y, rstd = reference.rms_norm(xs, (24,), w, 1e-6)
+    assert bits(np.load(tmp_path / "y1.npy")) == bits(np.load(tmp_path / "y2.npy")) == \
+        bits(y.astype(np.float32))
+    assert sorted(np.load(stats)) == ["rstd"]
+    run("rms-norm", f["x"], "--grad", f["dy"], "--stats", stats, "--weight", f["w"],
+        "-o", tmp_path / "dx.npy", "--param-grads", tmp_path / "g.npz", "--device", "cpu",
+        "--chunk-rows", "5")
+    dx, dw = reference.rms_norm_backward(dys, xs, np.load(stats)["rstd"], w)
+    assert bits(np.load(tmp_path / "dx.npy")) == bits(dx.astype(np.float32))
+    np.testing.assert_allclose(np.load(tmp_path / "g.npz")["dweight"], dw, rtol=1e-6)
+
+
+@needs_norms
+def test_norm_failure_leaves_nothing(tmp_path, norm_files, monkeypatch):
+    f = norm_files
+    real = reference.layer_norm_backward
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "layer_norm_backward", flaky)
+    fails("layer-norm", f["x"], "--grad", f["dy"], "--weight", f["w"], "-o", tmp_path / "dx.npy",
+          "--param-grads", tmp_path / "g.npz", "--device", "cpu", "--chunk-rows", "4", code=1,
+          says="injected")
+    assert not (tmp_path / "dx.npy").exists() and not (tmp_path / "g.npz").exists()
+    assert leftovers(tmp_path) == []
+
+
+@needs_norms
+def test_norm_gpu_pipeline_sums_param_grads(tmp_path, norm_files, fake_gpu):
+    f = norm_files
+    run("layer-norm", f["x"], "--grad", f["dy"], "--weight", f["w"], "-o", tmp_path / "dx.npy",
+        "--param-grads", tmp_path / "g.npz", "--chunk-rows", "5")
+    xs, dys, w = (np.load(f[k]) for k in ("x", "dy", "w"))
+    _, mean, rstd = reference.layer_norm(xs, (24,), None, None, 1e-5)
+    dx, dw, db = reference.layer_norm_backward(dys, xs, mean.astype(np.float32),
+                                               rstd.astype(np.float32), w)
+    assert bits(np.load(tmp_path / "dx.npy")) == bits(dx.astype(np.float32))
+    g = np.load(tmp_path / "g.npz")
+    np.testing.assert_allclose(g["dweight"], dw, rtol=1e-6)
+    np.testing.assert_allclose(g["dbias"], db, rtol=1e-6)
+
+
+def test_norm_commands_say_when_the_op_is_missing(tmp_path, norm_files, monkeypatch):
+    monkeypatch.delattr(reference, "layer_norm", raising=False)
+    fails("layer-norm", norm_files["x"], "-o", tmp_path / "y.npy", "--device", "cpu", code=1,
+          says="layer-norm is not available: this cukern has no cukern.reference.layer_norm")
+
+
+# ------------------------------------------------------------------------------------------
+# explain, info, bench, selftest, precompile
+
+
+def test_explain_without_gpu():
+    out = run("explain", "softmax", "--shape", "49152x1000", "--dtype", "float16").stdout
+    if cli._gpu_problem() is not None:
+        assert "(preset)" in out
+    assert out.startswith("softmax float16 rows=49152 cols=1000")
+    assert "variant            warp" in out
+    a100 = run("explain", "log-softmax", "--shape", "8x200000", "--device", "a100").stdout
+    assert "A100" in a100 and "block_uncached" in a100
+    strided = run("explain", "softmax", "--shape", "1000,64", "--axis", "0",
+                  "--device", "h100").stdout
+    assert "strided            True" in strided
+
+
+def test_explain_errors():
+    fails("explain", "softmx", "--shape", "4x4", code=2, says="unknown op 'softmx'")
+    fails("explain", "softmax", "--shape", "4xq", code=2, says="--shape 4xq")
+    fails("explain", "softmax", "--shape", "0x4", code=2, says="is empty")
+    fails("explain", "softmax", "--shape", "4x4", "--axis", "2", code=2, says="out of range")
+    fails("explain", "softmax", "--shape", "4x4", "--device", "cpu", code=2,
+          says="--device cpu")
+
+
+def test_info_runs_anywhere():
+    out = run("info").stdout
+    for key in ("cukern", "CuPy", "CUDA runtime", "NVRTC", "kernel cache", "GPU"):
+        assert key in out
+    assert cukern.__version__ in out
+
+
+def _fake_bench(calls):
+    def sweep(op, dtypes, cols_list, rows_fn=None, vs=("torch", "jax", "cupyx"), progress=None):
+        calls.append(dict(op=op, dtypes=dtypes, cols=cols_list, vs=vs, rows_fn=rows_fn))
+        out = []
+        for dt in dtypes:
+            for c in cols_list:
+                rows = rows_fn(c) if rows_fn else 1 << 20 // c
+                row = dict(op=op, dtype=dt, rows=rows, cols=c)
+                out.append(dict(row, peer="copy", ms=0.1, gbps=3300.0, pct_copy=100.0))
+                for peer, g in (("cukern", 3000.0), *((p, 1500.0) for p in vs)):
+                    out.append(dict(row, peer=peer, ms=0.1, gbps=g, pct_copy=g / 33.0))
+                    if progress:
+                        progress(out[-1])
+                if "jax" in vs:  # a peer that cannot run a shape is reported, not fatal
+                    out[-1].update(gbps=float("nan"), pct_copy=float("nan"), error="no")
+        return out
+
+    def plot(results, path):
+        calls.append(dict(plot=str(path), n=len(results)))
+        Path(path).write_bytes(b"png")
+
+    return types.SimpleNamespace(sweep=sweep, plot=plot)
+
+
+def test_bench_table_json_plot(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "cukern._bench", _fake_bench(calls))
+    monkeypatch.setattr(cli, "_gpu_problem", lambda dev=0: None)
+    out = run("bench", "--cols", "256..2048", "--dtype", "float16", "--vs", "torch").stdout
+    assert calls[-1]["cols"] == [256, 512, 1024, 2048] and calls[-1]["vs"] == ("torch",)
+    head, *lines = out.strip().splitlines()
+    assert head.index("cukern GB/s  %copy") < head.index("copy GB/s  %copy") < \
+        head.index("torch GB/s  %copy")
+    assert len(lines) == 4 and "3000.0   90.9%" in lines[0] and "1500.0" in lines[0]
+    out = run("bench", "--cols", "64", "--vs", "torch,jax").stdout
+    assert out.strip().splitlines()[1].endswith("failed")
+    js = run("bench", "log-softmax", "--cols", "1000,4096", "--rows", "64", "--vs", "none",
+             "--json", "--plot", tmp_path / "p.png").stdout
+    import json
+
+    res = json.loads(js)
+    assert {r["cols"] for r in res} == {1000, 4096} and {r["rows"] for r in res} == {64}
+    assert {r["peer"] for r in res} == {"copy", "cukern"} and calls[-2]["op"] == "log_softmax"
+    assert calls[-1]["plot"] == str(tmp_path / "p.png") and (tmp_path / "p.png").exists()
+    fails("bench", "--cols", "9..3", code=2, says="--cols 9..3")
+    fails("bench", "--dtype", "int8", code=2, says="--dtype: unknown int8")
+    fails("bench", "nope", code=2, says="unknown op 'nope'")
+
+
+def test_selftest_cpu():
+    out = run("selftest", "--device", "cpu").stdout
+    assert "FAIL" not in out
+    assert "softmax_backward" in out and "reference vs finite diff" in out
+    assert "cli chunked" in out and out.strip().endswith("0 failed")
+
+
+def test_precompile_arch_without_gpu(monkeypatch):
+    seen = []
+
+    def check(family, names, arch):
+        seen.append((family, list(names), arch))
+        return {n: n for n in names}
+
+    from cukern import _compile, _device, _dispatch
+
+    monkeypatch.setattr(_compile, "compile_check", check)
+    err = run("precompile", "--arch", "sm_90", "--dtype", "float16", "--op", "softmax,log-softmax",
+              "--jobs", "1").stderr
+    names = {n for _, ns, _ in seen for n in ns}
+    spec = _device.DeviceSpec.h100()
+    want = _dispatch.reachable_plans("softmax", "float16", spec) | \
+        _dispatch.reachable_plans("log_softmax", "float16", spec)
+    assert names == want and {a for _, _, a in seen} == {"sm_90"}
+    assert any("cluster" in n for n in names)
+    assert f"checked {len(want)} of {len(want)}" in err
+    seen.clear()
+    run("precompile", "--arch", "sm_80", "--dtype", "float32", "--op", "softmax", "--jobs", "1")
+    assert not any("cluster" in n for _, ns, _ in seen for n in ns)  # no clusters before sm_90
+    fails("precompile", "--arch", "90", code=2, says="--arch 90: expected a target like sm_80")
+    fails("precompile", "--arch", "sm_90", "--op", "conv", code=2, says="--op: unknown conv")
+
+
+def test_precompile_compiles_for_real():
+    """NVRTC without a GPU, in two worker processes: a real compile of one small batch."""
+    from cukern import _dispatch
+
+    names = sorted(_dispatch.reachable_plans("softmax", "float32", cukern.DeviceSpec.h100()))
+    assert cli._compile_all([("softmax", names[:2]), ("softmax", names[-2:])], "sm_90", None, 2,
+                            "test", False) == 4
