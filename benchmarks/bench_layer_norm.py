@@ -21,6 +21,7 @@ Writes layer_norm_<device>.json and .png, prints a table and checks the issue's 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -217,7 +218,12 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
                     continue
             for label, fn, events, sync in fns:
                 try:
-                    ms = _bench.time_gpu(fn, n_sets, reps, sync=sync, events=events)
+                    if events == "wall":  # JAX runs on its own streams: wall clock, batched
+                        calls = itertools.count()
+                        ms = _bench.time_wall(lambda f=fn: f(next(calls) % n_sets), sync, 1,
+                                              reps)
+                    else:  # CuPy and PyTorch share the legacy default stream: device events
+                        ms = _bench.time_gpu(fn, n_sets, reps)
                 except Exception as err:  # a peer that cannot run a shape is reported
                     results.append(dict(row, peer=label, ms=float("nan"), gbps=float("nan"),
                                         pct_copy=float("nan"), error=str(err)[:200]))

@@ -34,7 +34,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--ops", default=",".join(_bench.OPS))
+    ap.add_argument("--tag", default="", help="file name tag (default: the device name)")
+    ap.add_argument("--replot", metavar="JSON", nargs="+",
+                    help="no GPU: merge saved result files, rebase them on the fastest copy, "
+                         "rewrite them and plot all of them to the first one's .png")
     args = ap.parse_args()
+    if args.replot:
+        replot(args.replot)
+        return
     spec = DeviceSpec.from_device()
     tag = re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
     ops = args.ops.split(",")
@@ -54,6 +61,8 @@ def main() -> None:
     for e in errors[:5]:
         print("  ", e[:300])
 
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"softmax_{args.tag or tag}{'_quick' if args.quick else ''}")
     results = []
     for op in ops:
         for label, cols, rows_fn in (("rows=2^27/cols", cols_a, None),
@@ -66,18 +75,36 @@ def main() -> None:
                     r["variant"] = plan.variant.value
             results += res
             print(f"{op} {label}: done", flush=True)
+            save(base, spec, results, None)  # partial results survive an interrupted run
     overhead = _bench.host_overhead_us()
-    payload = dict(device=spec.name, cupy=cp.__version__, results=results,
-                   host_overhead_us=overhead)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"softmax_{tag}{'_quick' if args.quick else ''}")
-    with open(base + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
+    _bench.rebase_to_best_copy(results)
+    save(base, spec, results, overhead)
     main_sweep = [r for r in results if r["sweep"] == "rows=2^27/cols"]
     _bench.plot(main_sweep, base + ".png", title=f"cukern softmax family on {spec.name} "
                 "(rows = 2^27 / cols; % of a same-size device copy)")
     table(results)
     print("host overhead (us per call):", {k: round(v, 2) for k, v in overhead.items()})
+
+
+def replot(paths) -> None:
+    loaded = [json.load(open(p)) for p in paths]
+    everything = [r for d in loaded for r in d["results"]]
+    _bench.rebase_to_best_copy(everything)
+    for p, d in zip(paths, loaded):
+        with open(p, "w") as f:
+            json.dump(d, f, indent=1)
+    main_sweep = [r for r in everything if r["sweep"] == "rows=2^27/cols"]
+    _bench.plot(main_sweep, os.path.splitext(paths[0])[0] + ".png",
+                title=f"cukern softmax family on {loaded[0]['device']} "
+                      "(rows = 2^27 / cols; % of the fastest same-size device copy)")
+    table(everything)
+
+
+def save(base, spec, results, overhead) -> None:
+    payload = dict(device=spec.name, cupy=cp.__version__, results=results,
+                   host_overhead_us=overhead)
+    with open(base + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
 
 
 def table(results) -> None:

@@ -21,6 +21,7 @@ __all__ = ["TOL", "run"]
 
 # Relative error ||out - ref|| / ||ref|| allowed per dtype (the tests use the same table).
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-12}
+STAT_TOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
 
 SOFTMAX_OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 NORM_OPS = ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")
@@ -172,6 +173,7 @@ def _data(rng, op, shape, dtype, axis):
 
 
 def _gpu_error(cp, op, dtype, shape, axis, rng) -> float:
+    """The worst output's error, scaled so that TOL[dtype] is the bound for every output."""
     import cukern
 
     args, kw = _data(rng, op, shape, dtype, axis)
@@ -180,9 +182,23 @@ def _gpu_error(cp, op, dtype, shape, axis, rng) -> float:
     out = getattr(cukern, op)(*dargs, **kw)
     refs = ref if isinstance(ref, tuple) else (ref,)
     outs = out if isinstance(out, tuple) else (out,)
-    errors = [_rel(cp.asnumpy(o), r) for o, r in zip(outs, refs) if o is not None and
-              r is not None]
-    return max(errors)
+    stats_from = 1 if op in ("layer_norm", "rms_norm") else len(outs)
+    ratios = []
+    for k, (o, r) in enumerate(zip(outs, refs)):
+        if o is None or r is None:
+            continue
+        got = cp.asnumpy(o)
+        if k >= stats_from:
+            # Row statistics (float32, float64 for float64 input): a mean near 0 has no useful
+            # relative error, so scale by the largest value instead.
+            err = float(np.max(np.abs(got - r)) / max(1.0, float(np.max(np.abs(r)))))
+            ratios.append(err / STAT_TOL[dtype] * TOL[dtype])
+            continue
+        # An output can be no closer than the reference rounded to its dtype (float16 rows of
+        # 10^6 columns are subnormal): allow twice that when it exceeds the tolerance.
+        floor = _rel(np.asarray(r).astype(got.dtype), r)
+        ratios.append(_rel(got, r) * TOL[dtype] / max(TOL[dtype], 2 * floor))
+    return max(ratios)
 
 
 # ------------------------------------------------------------------------------------------

@@ -199,27 +199,23 @@ __device__ __forceinline__ MaxSum<T> softmax_fill(const Load<T, typename Num<T>:
   typedef typename Num<T>::compute C;
   constexpr int U = 4;  // packs in flight per thread
   MaxSum<T> ms = MaxSum<T>::empty();
-  int p = p0 + threadIdx.x;
-  for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
+  // U packs a step, each guarded: a thread with fewer than U packs left still has all of them
+  // in flight at once (a plain remainder loop would wait for each in turn).
+  for (int p = p0 + threadIdx.x; p < p1; p += U * BLOCK) {
     Pack<T, PACK> v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = ld.template raw<PACK>(row, (p + u * BLOCK) * PACK);
+    for (int u = 0; u < U; ++u) {
+      if (p + u * BLOCK < p1) v[u] = ld.template raw<PACK>(row, (p + u * BLOCK) * PACK);
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      if (p + u * BLOCK >= p1) break;
       cache[p - p0 + u * BLOCK].word = v[u].word;
       C c[PACK];
 #pragma unroll
       for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v[u].elem[i]);
       ms.template add<PACK>(c);
     }
-  }
-  for (; p < p1; p += BLOCK) {
-    const Pack<T, PACK> v = ld.template raw<PACK>(row, p * PACK);
-    cache[p - p0].word = v.word;
-    C c[PACK];
-#pragma unroll
-    for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v.elem[i]);
-    ms.template add<PACK>(c);
   }
   return ms;
 }
@@ -248,15 +244,17 @@ __device__ __forceinline__ void softmax_cached(const Load<T, typename Num<T>::co
     const i64 next = row + row_step;
     const bool more = next < rows;  // uniform
     MaxSum<T> ms_next = MaxSum<T>::empty();
-    int p = p0 + threadIdx.x;
-    for (; p + (U - 1) * BLOCK < p1; p += U * BLOCK) {
+    for (int p = p0 + threadIdx.x; p < p1; p += U * BLOCK) {
       P nv[U];
       if (more) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) nv[u] = ld.template raw<PACK>(next, (p + u * BLOCK) * PACK);
+        for (int u = 0; u < U; ++u) {
+          if (p + u * BLOCK < p1) nv[u] = ld.template raw<PACK>(next, (p + u * BLOCK) * PACK);
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
+        if (p + u * BLOCK >= p1) break;
         const P v = cache[p - p0 + u * BLOCK];
         C out[PACK];
 #pragma unroll
@@ -266,28 +264,13 @@ __device__ __forceinline__ void softmax_cached(const Load<T, typename Num<T>::co
       if (more) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+          if (p + u * BLOCK >= p1) break;
           cache[p - p0 + u * BLOCK].word = nv[u].word;
           C c[PACK];
 #pragma unroll
           for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(nv[u].elem[i]);
           ms_next.template add<PACK>(c);
         }
-      }
-    }
-    for (; p < p1; p += BLOCK) {
-      P nv;
-      if (more) nv = ld.template raw<PACK>(next, p * PACK);
-      const P v = cache[p - p0];
-      C out[PACK];
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) out[i] = softmax_out<ALGO, T>(Num<T>::to(v.elem[i]), m, rc);
-      st.template store<PACK>(out, row, p * PACK);
-      if (more) {
-        cache[p - p0].word = nv.word;
-        C c[PACK];
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(nv.elem[i]);
-        ms_next.template add<PACK>(c);
       }
     }
     if (!more) return;
