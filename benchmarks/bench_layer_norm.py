@@ -26,7 +26,6 @@ import json
 import os
 import re
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy and torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -35,7 +34,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cukern  # noqa: E402
-from cukern import _bench, _compile, _dispatch  # noqa: E402
+from cukern import _bench  # noqa: E402
 from cukern._device import DeviceSpec  # noqa: E402
 from cukern.ops import layer_norm as ln  # noqa: E402
 
@@ -285,17 +284,7 @@ def host_overhead_us(n: int = 20000) -> dict:
                       ("layer_norm_backward",
                        lambda: cukern.layer_norm_backward(x, x, mean, rstd, w)),
                       ("cupy_empty_like", lambda: cp.empty_like(x))):
-        for _ in range(200):
-            fn()
-        cp.cuda.Device().synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n // 5):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / (n // 5) * 1e6)
-            cp.cuda.Device().synchronize()
-        out[label] = best
+        out[label] = _bench.best_host_us(fn, n)
     return out
 
 
@@ -328,15 +317,7 @@ def main() -> None:
     if args.quick:
         cols_list = cols_list[::3]
 
-    t0 = time.time()
-    plan_ops = {op.replace("_residual", "") for op in ops}
-    names = {(_dispatch.OPS[op].family, n) for op in plan_ops for dt in dtypes
-             for n in _dispatch.reachable_plans(op, dt, spec)}
-    errors = _compile.warm_cache(sorted(names), spec.device_id)
-    print(f"compiled {len(names)} kernels in {time.time() - t0:.0f} s, {len(errors)} errors",
-          flush=True)
-    for e in errors[:5]:
-        print("  ", e[:300])
+    _bench.warm_kernels({op.replace("_residual", "") for op in ops}, dtypes, spec)
 
     results = []
     for op in ops:

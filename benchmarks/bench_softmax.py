@@ -16,14 +16,13 @@ import json
 import os
 import re
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import cupy as cp  # noqa: E402
 
 import cukern  # noqa: E402
-from cukern import _bench, _compile, _dispatch  # noqa: E402
+from cukern import _bench  # noqa: E402
 from cukern._device import DeviceSpec  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -51,15 +50,7 @@ def main() -> None:
     if args.quick:
         cols_a, cols_b = cols_a[::3], cols_b[::3]
 
-    # Compile every kernel these sweeps can launch, in parallel, before timing anything.
-    t0 = time.time()
-    names = {(_dispatch.OPS[op].family, n) for op in ops for dt in DTYPES
-             for n in _dispatch.reachable_plans(op, dt, spec)}
-    errors = _compile.warm_cache(sorted(names), spec.device_id)
-    print(f"compiled {len(names)} kernels in {time.time() - t0:.0f} s, {len(errors)} errors",
-          flush=True)
-    for e in errors[:5]:
-        print("  ", e[:300])
+    _bench.warm_kernels(ops, DTYPES, spec)  # compile everything before timing anything
 
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"softmax_{args.tag or tag}{'_quick' if args.quick else ''}")

@@ -272,6 +272,38 @@ def _np_dtype(name: str):
     return np.dtype(name)
 
 
+def warm_kernels(ops, dtypes, spec) -> None:
+    """Compile every kernel ``ops`` can launch for ``dtypes`` on ``spec``'s device, in parallel,
+    before anything is timed; prints how long it took and any failure."""
+    from . import _compile, _dispatch
+
+    t0 = time.time()
+    names = {(_dispatch.OPS[op].family, n) for op in ops for dt in dtypes
+             for n in _dispatch.reachable_plans(op, dt, spec)}
+    errors = _compile.warm_cache(sorted(names), spec.device_id)
+    print(f"compiled {len(names)} kernels in {time.time() - t0:.0f} s, {len(errors)} errors",
+          flush=True)
+    for e in errors[:5]:
+        print("  ", e[:300])
+
+
+def best_host_us(fn: Callable[[], object], n: int = 20000) -> float:
+    """Microseconds of host time per call of ``fn`` (best of five batches)."""
+    import cupy as cp
+
+    for _ in range(200):
+        fn()
+    cp.cuda.Device().synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / (n // 5) * 1e6)
+        cp.cuda.Device().synchronize()
+    return best
+
+
 def host_overhead_us(n: int = 20000) -> dict:
     """Microseconds of host time per call on a tiny array (the GPU is never the bottleneck)."""
     import cupy as cp
@@ -284,17 +316,7 @@ def host_overhead_us(n: int = 20000) -> dict:
     for label, fn in (("softmax", lambda: cukern.softmax(x)),
                       ("softmax_out", lambda: cukern.softmax(x, out=out)),
                       ("cupy_empty_like", lambda: cp.empty_like(x))):
-        for _ in range(200):
-            fn()
-        cp.cuda.Device().synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n // 5):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / (n // 5) * 1e6)
-            cp.cuda.Device().synchronize()
-        result[label] = best
+        result[label] = best_host_us(fn, n)
     try:
         import torch
 

@@ -47,11 +47,8 @@ def softmax(x, axis: int = -1, *, out=None):
     whose other dimensions cannot be described by one stride each are copied first.
     """
     if out is None and type(x) is _ndarray and type(axis) is int:
-        launch = _fresh.get(("softmax", axis, x.shape, x.strides, x.dtype, x.data.ptr & 15,
-                             x.data.device_id))
-        if launch is not None and launch.device_id == _get_device():
-            y = c.cp.empty(x.shape, x.dtype)
-            launch(x, y)
+        y = _fast("softmax", x, axis)
+        if y is not None:
             return y
     return _run("softmax", ("x",), (x,), axis, out)
 
@@ -62,11 +59,8 @@ def log_softmax(x, axis: int = -1, *, out=None):
     Same arguments, dtypes, return kind and notes as :func:`softmax`.
     """
     if out is None and type(x) is _ndarray and type(axis) is int:
-        launch = _fresh.get(("log_softmax", axis, x.shape, x.strides, x.dtype, x.data.ptr & 15,
-                             x.data.device_id))
-        if launch is not None and launch.device_id == _get_device():
-            y = c.cp.empty(x.shape, x.dtype)
-            launch(x, y)
+        y = _fast("log_softmax", x, axis)
+        if y is not None:
             return y
     return _run("log_softmax", ("x",), (x,), axis, out)
 
@@ -86,6 +80,17 @@ def log_softmax_backward(y, dy, axis: int = -1, *, out=None):
     ``y`` is the log-softmax output and ``dy`` the gradient with respect to it.
     """
     return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)
+
+
+def _fast(op: str, x, axis: int):
+    """The result for a CuPy input whose layout was planned before (None if it was not)."""
+    launch = _fresh.get((op, axis, x.shape, x.strides, x.dtype, x.data.ptr & 15,
+                         x.data.device_id))
+    if launch is None or launch.device_id != _get_device():
+        return None
+    y = c.cp.empty(x.shape, x.dtype)
+    launch(x, y)
+    return y
 
 
 def _run(op: str, names: tuple, inputs: tuple, axis, out):
