@@ -65,14 +65,17 @@ class OpInfo:
     # A backward that also sums over rows (dweight, dbias): how many per-column sums, in the
     # compute type, it keeps when its first extra switch (WEIGHT) is "true". A cached variant
     # keeps them on chip beside the row, and the grid is one wave of resident blocks, each
-    # writing one partial row that `aux_kernels` add up.
+    # writing one partial row that `aux_kernels` add up. The uncached variant leaves them to a
+    # separate pass over x and dy (`aux_kernels`' norm_param_grad_partial).
     col_sums: int = 0
-    aux_kernels: tuple[str, ...] = ()  # other kernels the op launches ("{t}": the C++ type)
+    # Other kernels the op launches: "{t}" the C++ type, "{algo}" ALGO, "{pack}" a pack size.
+    aux_kernels: tuple[str, ...] = ()
 
 
 _TF = ("false", "true")
 _NORM = {"runtime_shape": True, "strided": False}
-_PARAM_REDUCE = ("cukern::norm_param_grad_reduce<{t}>",)
+_PARAM_REDUCE = ("cukern::norm_param_grad_reduce<{t}>",
+                 "cukern::norm_param_grad_partial<{t}, {algo}, {pack}>")
 
 OPS: dict[str, OpInfo] = {
     "softmax": OpInfo("softmax", "softmax", 0, 1),
@@ -278,7 +281,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
     waves = 1 if col_sums else WAVES
 
     def grid_for(plan: Plan, needed: int) -> int:
-        if col_sums:
+        if col_sums and plan.variant is not Variant.BLOCK_UNCACHED:
             return max(1, min(needed, device.sms * max(1, occ(plan))))
         return num_blocks(device, plan.threads, needed)
 
@@ -292,6 +295,12 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         return _replace(plan, grid=grid_for(plan, -(-groups // block[1])))
 
     no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
+    if col_sums:
+        plan = _plan_col_sums(base, no_warp, cols, pack, item, info, col_sums, device, occ,
+                              strided)
+        if plan is not None:
+            return plan
+        return _uncached(base, no_warp, col_sums, device, rows)
     smem = cols * smem_per_col
     candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
                      **no_warp, **base)
@@ -334,12 +343,90 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
                      f"memory each, {per_sm} resident per SM",)
             return _replace(cand, grid=clusters * size, notes=notes)
 
+    return _uncached(base, no_warp, col_sums, device, rows)
+
+
+def _uncached(base: dict, no_warp: dict, col_sums: int, device: DeviceSpec, rows: int) -> Plan:
     notes = ("row too long to keep on chip: read twice from memory",)
     if col_sums:
-        notes += ("column sums kept in global memory",)
+        notes += ("column sums by a separate pass over x and dy (norm_param_grad_partial)",)
     plan = Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), grid=1, smem_bytes=0,
                 notes=notes, **no_warp, **base)
-    return _replace(plan, grid=grid_for(plan, rows))
+    return _replace(plan, grid=num_blocks(device, plan.threads, rows))
+
+
+def reg_sum_packs(dtype: str, pack: int) -> int:
+    """Packs per thread whose column sums a backward kernel keeps in registers (RegSums in
+    kernels/layer_norm.cuh): 16 values of each sum (8 in double)."""
+    return max(1, (8 if dtype == "float64" else 16) // pack)
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, info: OpInfo,
+                   col_sums: int, device: DeviceSpec, occ: Occupancy,
+                   strided: bool) -> Plan | None:
+    """A cached backward that also sums over rows (dweight, dbias): a grid of one wave of
+    resident blocks, each looping over rows and writing one partial row of sums at the end.
+
+    Per block slice of ``values`` columns (the row, or a cluster's share of it):
+
+    * the sums live in registers when the slice has at most ``reg_sum_packs * threads`` packs
+      (the block is made wide enough: up to 1024 threads), else in shared memory beside the
+      cached x and dy (``col_sums`` values of the compute type per column);
+    * x and dy are double-buffered (the next row's copies overlap this row's reduction and dx
+      pass) when twice their shared memory fits beside the sums and the packs are at least 4
+      bytes (asynchronous copies), else single-buffered.
+
+    The block kernel if its row fits, else the smallest cluster that fits; None: neither does.
+    """
+    csize = 8 if base["dtype"] == "float64" else 4
+    apt = reg_sum_packs(base["dtype"], pack)
+    limit = max_dynamic_smem(device)
+    asynchronous = pack * item >= 4
+
+    def attempt(variant: Variant, size: int, max_block: int) -> Plan | None:
+        slice_packs = -(-(cols // pack) // size)
+        values = slice_packs * pack
+        threads = min(max_block, block_threads_for(slice_packs))
+        in_regs = slice_packs <= apt * 1024
+        if in_regs:
+            threads = max(threads, min(1024, _pow2_at_least(-(-slice_packs // apt))))
+        sums = 0 if in_regs else col_sums * csize * values
+        rows_smem = item * info.inputs * values
+        for two in ((True, False) if asynchronous else (False,)):
+            smem = rows_smem * (2 if two else 1) + sums
+            if smem > limit:
+                continue
+            plan = Plan(variant=variant, block=(threads, 1), grid=size, smem_bytes=smem,
+                        cluster=size, **no_warp, **base)
+            per_sm = occ(plan)
+            if per_sm <= 0:
+                continue
+            where = "registers" if in_regs else "shared memory"
+            notes = (f"{'row' if size == 1 else f'row split over a cluster of {size} blocks'}: "
+                     f"x and dy {'double' if two else 'single'}-buffered in shared memory, "
+                     f"{col_sums} column sums in {where} ({smem} bytes per block, {per_sm} "
+                     f"resident per SM)",)
+            return _replace(plan, grid=device.sms * per_sm // size * size, notes=notes)
+        return None
+
+    plan = attempt(Variant.BLOCK_SMEM, 1, 1024)
+    if plan is not None:
+        rows = base["rows"]
+        return _replace(plan, grid=max(1, min(rows, plan.grid)))
+    if device.has_clusters and not strided:
+        for size in CLUSTER_SIZES:
+            plan = attempt(Variant.CLUSTER, size, CLUSTER_MAX_BLOCK)
+            if plan is not None:
+                clusters = max(1, min(base["rows"], plan.grid // size))
+                return _replace(plan, grid=clusters * size)
+    return None
 
 
 def _replace(plan: Plan, **changes) -> Plan:
@@ -353,8 +440,9 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
     device of this architecture, whatever the shape, alignment or occupancy. Used by the
     compile check and ``cukern precompile``."""
     info = OPS[op]
-    names: set[str] = {k.format(t=CPP_TYPES[dtype]) for k in info.aux_kernels}
     packs = sorted({pack_size(dtype, c, a, False) for c in (1, 2, 4, 8, 16) for a in (16,)})
+    names: set[str] = {k.format(t=CPP_TYPES[dtype], algo=info.algo, pack=p)
+                       for k in info.aux_kernels for p in packs}
     layouts = [(p, False) for p in packs] + ([(1, True)] if info.strided else [])
     for (pack, strided), extra in itertools.product(layouts, info.extras):
         base = dict(op=op, dtype=dtype, rows=1, cols=1, pack_size=pack, strided=strided,

@@ -79,6 +79,8 @@ template <> struct Math<float> {
   static __device__ __forceinline__ float log(float v) { return logf(v); }
   static __device__ __forceinline__ float rsqrt(float v) { return rsqrtf(v); }
   static __device__ __forceinline__ float div(float a, float b) { return a / b; }
+  // About 2 ulp, no slow path (|b| < 2^126): for weights and means whose last bits do not matter.
+  static __device__ __forceinline__ float div_fast(float a, float b) { return __fdividef(a, b); }
 };
 
 template <> struct Math<double> {
@@ -88,6 +90,7 @@ template <> struct Math<double> {
   static __device__ __forceinline__ double log(double v) { return ::log(v); }
   static __device__ __forceinline__ double rsqrt(double v) { return ::rsqrt(v); }
   static __device__ __forceinline__ double div(double a, double b) { return a / b; }
+  static __device__ __forceinline__ double div_fast(double a, double b) { return a / b; }
 };
 
 // A max that keeps NaN, so a NaN anywhere in a row reaches every output of that row.
@@ -248,6 +251,28 @@ template <typename T, typename C, int N> struct SmemRow {
     for (int i = 0; i < N; ++i) v[i] = Num<T>::to(pack.elem[i]);
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous copies from global to shared memory (sm_80+): a thread can have every pack it
+// owns in flight at once, whatever the compiler's register budget, and waits once.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async moves 4, 8 or 16 bytes");
+  if (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)),
+                 "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(shared_address(dst)),
+                 "l"(src), "n"(BYTES) : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 // ---------------------------------------------------------------------------------------------
 // Reductions.
@@ -475,7 +500,7 @@ template <typename C> struct Welford {
     if (a.n == C(0)) return b;
     const C n = a.n + b.n;
     const C d = b.mean - a.mean;
-    const C fb = b.n / n;
+    const C fb = Math<C>::div_fast(b.n, n);  // a weight: 2 ulp is far below what it scales
     return Welford{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
   }
   // Folds N values in: their exact two-pass mean and M2, then one merge.

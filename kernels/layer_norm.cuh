@@ -13,14 +13,18 @@
 //   *_cluster         a cluster of CLUSTER blocks per row (sm_90), each caching a slice
 //   *_block_uncached  one block per row, the row read again from global memory
 //
-// Statistics are exact two-pass (mean, then the sum of squared deviations) wherever the row is on
-// chip; the cluster variant merges its slices' exact (count, mean, M2) with Chan's formula; the
-// uncached variant keeps a Welford state per thread and merges those. Layer norm works on x - K,
-// K the row's first value: for rows far from zero (x = 1e4 + noise in float32) the differences
-// are exact and small, so neither the sums nor y = ((x - K) - mean') * rstd lose digits to the
-// offset. RMS norm needs no mean, and a sum of squares has no cancellation. Statistics and all
-// sums are in the compute type (float for half, bfloat16 and float; double for double), as are
-// the dgamma/dbeta partial sums.
+// Statistics are exact two-pass (mean, then the sum of squared deviations) wherever the row is
+// on chip; the cluster variant merges its slices' exact (count, mean, M2) with Chan's formula;
+// the uncached variant keeps a Welford state per thread and merges those. Never E[x^2] -
+// E[x]^2. Layer norm works on x - K, K the row's first value: for rows far from zero (x = 1e4 +
+// noise in float32) the differences are exact and small, so neither the sums nor
+// y = ((x - K) - mean') * rstd lose digits to the offset, and a constant row gives var = 0 and
+// y = beta exactly. Half and bfloat16 rows, once summed, are normalised as x - (K + mean') in
+// one operation: the rounding of K + mean' to float is far below their spacing (a representable
+// deviation from a mean m is at least m * 2^-11). RMS norm needs no mean, and a sum of squares
+// has no cancellation.
+// Statistics and all sums are in the compute type (float for half, bfloat16 and float; double
+// for double), as are the dgamma/dbeta partial sums.
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
@@ -154,6 +158,37 @@ template <typename C> __device__ __forceinline__ C block_sum(C v) {
   return allreduce_block(Sums<C, 1>{{v}}).v[0];
 }
 
+// x - K - m': in two steps (exact for float and double rows far from zero), or as x - (K + m')
+// in one, where the rounding of K + m' is far below the data's own spacing (half, bfloat16).
+template <typename C, bool TWO_STEP> struct Centre {
+  C k, m;
+  __device__ __forceinline__ C operator()(C v) const {
+    if (TWO_STEP) return (v - k) - m;
+    return v - (k + m);
+  }
+};
+
+// This thread's (count, mean, M2) of x - K over its cached packs p0 + threadIdx.x + j * blockDim.x
+// of [p0, p1) (slice-local in the cache), given their sum s: exact two passes over values only
+// this thread wrote, so no barrier.
+template <bool TWO_STEP, int PACK, typename T, typename C>
+__device__ __forceinline__ Welford<C> own_deviations(const SmemRow<T, C, PACK>& cache, C s, C k,
+                                                     int p0, int p1) {
+  const int span = p1 - p0, t = threadIdx.x;
+  const int mine = span > t ? (span - 1 - t) / static_cast<int>(blockDim.x) + 1 : 0;
+  if (mine == 0) return Welford<C>::identity();
+  const C n = C(mine * PACK), m = Math<C>::div_fast(s, n);
+  const Centre<C, TWO_STEP> at{k, m};
+  C q = C(0);
+  for (int p = p0 + t; p < p1; p += blockDim.x) {
+    C v[PACK];
+    cache.get(p - p0, v);
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) q += at(v[i]) * at(v[i]);
+  }
+  return Welford<C>{n, m, q};
+}
+
 // Writes a row's statistics (RMS norm has no mean).
 template <int ALGO, typename C>
 __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) {
@@ -173,6 +208,11 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   typedef typename Num<T>::compute C;                                                          \
   static_assert(ALGO == kLayerNorm || ALGO == kRMSNorm, "ALGO: 0 layer norm, 1 RMS norm");     \
   static_assert(ALGO == kLayerNorm || !BIAS, "RMS norm has no bias");                          \
+  /* layer norm works on x - K; float and double data normalise (x - K) - mean' in two steps,   \
+     half and bfloat16 data x - (K + mean') in one (see the top of this file) */                 \
+  constexpr bool SHIFT = ALGO == kLayerNorm;                                                   \
+  constexpr bool TWO_STEP = SHIFT && sizeof(T) >= 4;                                           \
+  (void)TWO_STEP;                                                                              \
   const SkipLoad<T, C, RESIDUAL> ld{{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};   \
   const AffineStore<C, T, WEIGHT, BIAS> st{{y, rows_at(sy)}, {gamma, rows_at(0)},              \
                                            {beta, rows_at(0)}}
@@ -207,7 +247,7 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
         }
       }
       // lane 0 of the group holds column 0
-      k[r] = ALGO == kLayerNorm ? __shfl_sync(0xffffffffu, buf[r][0], 0, width) : C(0);
+      k[r] = SHIFT ? __shfl_sync(0xffffffffu, buf[r][0], 0, width) : C(0);
       s[r].v[0] = C(0);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
@@ -215,12 +255,8 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
           C& v = buf[r][p * PACK + i];
-          if (ALGO == kLayerNorm) {
-            v -= k[r];
-            s[r].v[0] += v;
-          } else {
-            s[r].v[0] += v * v;
-          }
+          if (SHIFT) v -= k[r];
+          s[r].v[0] += ALGO == kLayerNorm ? v : v * v;
         }
       }
     }
@@ -268,41 +304,59 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
 }
 
 // Block kernel with the row cached in shared memory (cols values of T). One row per block at a
-// time, grid-stride over rows; any block size that is a multiple of 32.
+// time, grid-stride over rows; any block size that is a multiple of 32. Each thread sums the
+// packs it caches, then takes the exact squared deviations of those same cached values from
+// their own mean (no barrier: it reads back only what it wrote), and one block reduction merges
+// the threads' (count, mean, M2) with Chan's formula; then y from the cache. (A running Welford
+// merge in the load loop measured 20-25% slower: its dependent chain holds back the next loads.)
 template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
   extern __shared__ uint4 smem_words[];
   const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
   const int num_packs = cols / PACK;
+  // Without a residual, the row goes to shared memory by asynchronous copies: all of a
+  // thread's packs in flight at once (the compiler otherwise may issue them one at a time).
+  constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C k = ALGO == kLayerNorm ? ld.first(row) : C(0);  // the shift K
+    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K
     C s = C(0);
-    scan_packs<C, PACK, PACK, 4>(ld, row, 0, num_packs, [&](int p, const C* v) {
-      cache.put(p, v);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
-    });
-    s = block_sum(s);
-    C m = C(0);  // the mean of x - K
-    if (ALGO == kLayerNorm) {  // second pass over the cached row
-      m = s / C(cols);
-      s = C(0);
+    if constexpr (ASYNC) {
+      const T* src = x + row * sx;
+      for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
+        cp_async<PACK * sizeof(T)>(cache.base + p * PACK, src + p * PACK);
+      }
+      cp_async_wait_all();
       for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
         C v[PACK];
         cache.get(p, v);
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) s += ((v[i] - k) - m) * ((v[i] - k) - m);
+        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
       }
-      s = block_sum(s);
+    } else {
+      scan_packs<C, PACK, PACK, 4>(ld, row, 0, num_packs, [&](int p, const C* v) {
+        cache.put(p, v);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
+      });
     }
-    const C rs = Math<C>::rsqrt(s / C(cols) + eps);
+    C m = C(0), var;  // m: the mean of x - K
+    if (ALGO == kLayerNorm) {
+      const Welford<C> w = allreduce_block(own_deviations<TWO_STEP, PACK>(cache, s, k, 0,
+                                                                          num_packs));
+      m = w.mean;
+      var = w.m2 / C(cols);
+    } else {
+      var = block_sum(s) / C(cols);
+    }
+    const C rs = Math<C>::rsqrt(var + eps);
     if (threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
+    const Centre<C, TWO_STEP> at{k, m};
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C v[PACK];
       cache.get(p, v);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = ((v[i] - k) - m) * rs;
+      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
       st.template store<PACK>(v, row, p * PACK);
     }
   }
@@ -316,7 +370,7 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
   const Load<T, C, false> again{RESIDUAL ? h : x, rows_at(RESIDUAL ? sh : sx)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C k = ALGO == kLayerNorm ? ld.first(row) : C(0);  // the shift K
+    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
       Welford<C> w = Welford<C>::identity();
@@ -339,11 +393,12 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
     }
     const C rs = Math<C>::rsqrt(var + eps);
     if (threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
+    const Centre<C, TWO_STEP> at{k, m};
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C v[PACK];
       again.template load<PACK>(v, row, p * PACK);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = ((v[i] - k) - m) * rs;
+      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
       st.template store<PACK>(v, row, p * PACK);
     }
   }
@@ -361,41 +416,46 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   const unsigned rank = cluster_rank();
   int p0, p1;
   cluster_pack_range(cols / PACK, CLUSTER, rank, p0, p1);
-  const C n_mine = C((p1 - p0) * PACK);
   const i64 clusters = gridDim.x / CLUSTER;
   for (i64 row = blockIdx.x / CLUSTER; row < rows; row += clusters) {
-    const C k = ALGO == kLayerNorm ? ld.first(row) : C(0);  // the shift K, the same in every block
+    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K, the same in every block
     C s = C(0);
-    scan_packs<C, PACK, PACK, 4>(ld, row, p0, p1, [&](int p, const C* v) {
-      cache.put(p - p0, v);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
-    });
-    s = block_sum(s);
-    C m = C(0), var;  // m: the mean of x - K
-    if (ALGO == kLayerNorm) {
-      const C m_mine = n_mine > C(0) ? s / n_mine : C(0);
-      C q = C(0);
+    if constexpr (!RESIDUAL && PACK * sizeof(T) >= 4) {  // as in layer_norm_block_smem
+      const T* src = x + row * sx;
+      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+        cp_async<PACK * sizeof(T)>(cache.base + (p - p0) * PACK, src + p * PACK);
+      }
+      cp_async_wait_all();
       for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
         C v[PACK];
         cache.get(p - p0, v);
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) q += ((v[i] - k) - m_mine) * ((v[i] - k) - m_mine);
+        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
       }
-      q = block_sum(q);
-      const Welford<C> w = allreduce_cluster<CLUSTER>(Welford<C>{n_mine, m_mine, q});
+    } else {
+      scan_packs<C, PACK, PACK, 4>(ld, row, p0, p1, [&](int p, const C* v) {
+        cache.put(p - p0, v);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
+      });
+    }
+    C m = C(0), var;  // m: the mean of x - K
+    if (ALGO == kLayerNorm) {  // as in layer_norm_block_smem, then across the cluster
+      const Welford<C> w = allreduce_cluster<CLUSTER>(
+          allreduce_block(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1)));
       m = w.mean;
       var = w.m2 / C(cols);
     } else {
-      var = allreduce_cluster<CLUSTER>(Sums<C, 1>{{s}}).v[0] / C(cols);
+      var = allreduce_cluster<CLUSTER>(Sums<C, 1>{{block_sum(s)}}).v[0] / C(cols);
     }
     const C rs = Math<C>::rsqrt(var + eps);
     if (rank == 0 && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
+    const Centre<C, TWO_STEP> at{k, m};
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       C v[PACK];
       cache.get(p - p0, v);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = ((v[i] - k) - m) * rs;
+      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
       st.template store<PACK>(v, row, p * PACK);
     }
   }
@@ -434,12 +494,16 @@ __device__ __forceinline__ void add_row_terms(Sums<C, K>& s, C g, C xhat) {
   if constexpr (LAYER) s.v[1] += g;
 }
 
-// dx for one element, given the row sums.
-template <bool LAYER, typename C, int K>
-__device__ __forceinline__ C grad_x(const Sums<C, K>& s, C g, C xhat, C rs, C inv_cols) {
-  if constexpr (LAYER) return rs * (g - s.v[1] * inv_cols - xhat * (s.v[0] * inv_cols));
-  return rs * (g - xhat * (s.v[0] * inv_cols));
-}
+// dx for one element, given the row sums: rs * (g - mean(g) - xhat * mean(g * xhat)) as two fused
+// multiply-adds, rs * g + (xhat * b + a) with a = -rs * mean(g), b = -rs * mean(g * xhat).
+template <bool LAYER, typename C, int K> struct GradX {
+  C m, rs, a, b;
+  __device__ __forceinline__ GradX(const Sums<C, K>& s, C m_, C rs_, C inv_cols)
+      : m(m_), rs(rs_), a(LAYER ? -rs_ * (s.v[K - 1] * inv_cols) : C(0)),
+        b(-rs_ * (s.v[0] * inv_cols)) {}
+  __device__ __forceinline__ C with_xhat(C xhat, C g) const { return rs * g + (xhat * b + a); }
+  __device__ __forceinline__ C operator()(C x, C g) const { return with_xhat((x - m) * rs, g); }
+};
 
 template <typename T, int ALGO, int PACK, int CPT, int RPA, bool WEIGHT>
 __global__ void __launch_bounds__(128) layer_norm_grad_warp(CUKERN_NORM_BWD_PARAMS) {
@@ -496,15 +560,14 @@ __global__ void __launch_bounds__(128) layer_norm_grad_warp(CUKERN_NORM_BWD_PARA
     for (int r = 0; r < RPA; ++r) {
       const i64 row = row0 + r;
       if (row >= rows) continue;
+      const GradX<LAYER, C, NSUM> gx(s[r], C(0), rs[r], inv_cols);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = (p * width + lane) * PACK;
         if (col >= cols) continue;
         C out[PACK];
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) {
-          out[i] = grad_x<LAYER>(s[r], g[r][p * PACK + i], xh[r][p * PACK + i], rs[r], inv_cols);
-        }
+        for (int i = 0; i < PACK; ++i) out[i] = gx.with_xhat(xh[r][p * PACK + i], g[r][p * PACK + i]);
         st.template store<PACK>(out, row, col);
       }
     }
@@ -552,166 +615,386 @@ __global__ void __launch_bounds__(128) layer_norm_grad_warp(CUKERN_NORM_BWD_PARA
   }
 }
 
-// Pass 1 of a backward block kernel over packs [p0, p1): the row sums, and with WEIGHT the
-// column sums (this thread's columns only) into acc_w[(p - p0) * PACK + i] (and acc_b). With
-// CACHE, x and dy go to shared memory at pack p - p0.
-template <bool LAYER, bool WEIGHT, bool CACHE, int PACK, typename T, typename C, int NSUM>
-__device__ __forceinline__ void grad_scan(const PairLoad<T, C>& ld,
+// Per-column sums private to one thread, in shared memory: slice-local pack q holds PACK sums,
+// kept as WORDS words of W values (16 bytes, or the whole pack if smaller), word j of every pack
+// side by side, so that a warp's threads (consecutive q) touch consecutive words: no bank
+// conflicts, one vector access per word.
+template <typename C, int PACK> struct ColSums {
+  static constexpr int W = PACK < 16 / static_cast<int>(sizeof(C)) ? PACK : 16 / sizeof(C);
+  static constexpr int WORDS = PACK / W;
+  typedef typename Pack<C, W>::word_t word_t;
+  C* base;
+  int packs;  // packs in the slice
+  __device__ __forceinline__ word_t& word(int j, int q) const {
+    return reinterpret_cast<word_t*>(base)[j * packs + q];
+  }
+  __device__ __forceinline__ void zero(int q) const {
+#pragma unroll
+    for (int j = 0; j < WORDS; ++j) {
+      Pack<C, W> z;
+#pragma unroll
+      for (int i = 0; i < W; ++i) z.elem[i] = C(0);
+      word(j, q) = z.word;
+    }
+  }
+  __device__ __forceinline__ void add(int q, const C* v) const {
+#pragma unroll
+    for (int j = 0; j < WORDS; ++j) {
+      Pack<C, W> a;
+      a.word = word(j, q);
+#pragma unroll
+      for (int i = 0; i < W; ++i) a.elem[i] += v[j * W + i];
+      word(j, q) = a.word;
+    }
+  }
+  // Writes the PACK sums of pack q to dst[0, PACK) in global memory (16-byte aligned words).
+  __device__ __forceinline__ void copy_to(int q, C* dst) const {
+#pragma unroll
+    for (int j = 0; j < WORDS; ++j) reinterpret_cast<word_t*>(dst)[j] = word(j, q);
+  }
+};
+
+// Per-column sums held in registers: a thread's packs p0 + threadIdx.x + j * blockDim.x,
+// j < APT, at most REG_SUM_VALUES values of each sum (they fit beside the rest of the kernel
+// in the 64 registers a 1024-thread block allows). Used when a block's slice has at most
+// APT * blockDim.x packs (the planner sizes blocks for it), which frees the shared memory the
+// sums would take: more blocks per SM, whose loads overlap each other's reductions.
+template <typename C> struct RegSumValues { static constexpr int value = 16; };
+template <> struct RegSumValues<double> { static constexpr int value = 8; };
+template <typename C, int PACK> struct RegSums {
+  static constexpr int APT = RegSumValues<C>::value / PACK > 0 ? RegSumValues<C>::value / PACK : 1;
+  C w[APT][PACK], b[APT][PACK];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int j = 0; j < APT; ++j) {
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) w[j][i] = b[j][i] = C(0);
+    }
+  }
+  // Whether a slice of `packs` packs fits this block's registers.
+  static __device__ __forceinline__ bool fits(int packs) {
+    return packs <= APT * static_cast<int>(blockDim.x);
+  }
+};
+
+// One element pack's part of a backward pass 1: its row sums, and with SUMS its column sums
+// (dy * xhat, and dy for layer norm) into the registers of this thread's j-th pack (IN_REGS;
+// j must then be a compile-time constant after unrolling) or into shared memory at slice-local
+// pack q.
+template <bool LAYER, bool SUMS, bool IN_REGS, int PACK, typename T, typename C, int NSUM,
+          bool WEIGHT>
+__device__ __forceinline__ void grad_fold(const ScaleLoad<T, C, WEIGHT>& sl,
+                                          const ColSums<C, PACK>& acc_w,
+                                          const ColSums<C, PACK>& acc_b, RegSums<C, PACK>& regs,
+                                          int p, int q, int j, const C* xv, const C* d, C m, C rs,
+                                          Sums<C, NSUM>& s) {
+  C g[PACK], dxh[PACK];
+  sl.template scale<PACK>(d, g, p * PACK);
+#pragma unroll
+  for (int i = 0; i < PACK; ++i) {
+    const C xhat = (xv[i] - m) * rs;
+    add_row_terms<LAYER>(s, g[i], xhat);
+    dxh[i] = d[i] * xhat;
+  }
+  if (SUMS && IN_REGS) {
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) {
+      regs.w[j][i] += dxh[i];
+      if (LAYER) regs.b[j][i] += d[i];
+    }
+  } else if (SUMS) {
+    acc_w.add(q, dxh);
+    if (LAYER) acc_b.add(q, d);
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+// The rows loop of the cached backward kernels (block and cluster), over packs [p0, p1) of
+// each row: pass 1 (row sums, column sums), the row sums' all-reduce (`reduce`), then dx from
+// the cache. With packs of at least 4 bytes, x and dy reach the cache by asynchronous copies,
+// all of a thread's packs in flight at once; with TWO buffers (given the shared memory for
+// them), the next row's copies are issued before this row's reduction and dx pass, so they
+// overlap. Every thread reads back only packs it copied itself: no barrier guards the cache.
+template <bool LAYER, bool SUMS, bool IN_REGS, int PACK, int NSUM, typename T, typename C,
+          bool WEIGHT, typename Reduce>
+__device__ __forceinline__ void grad_rows(const PairLoad<T, C>& ld,
                                           const ScaleLoad<T, C, WEIGHT>& sl,
-                                          const SmemRow<T, C, PACK>& cache_x,
-                                          const SmemRow<T, C, PACK>& cache_dy, C* acc_w, C* acc_b,
-                                          i64 row, int p0, int p1, C m, C rs, Sums<C, NSUM>& s) {
-  scan_packs<C, PACK, 2 * PACK, 2>(ld, row, p0, p1, [&](int p, const C* v) {
-    const C* xv = v;
-    const C* d = v + PACK;
-    if (CACHE) {
-      cache_x.put(p - p0, xv);
-      cache_dy.put(p - p0, d);
-    }
-    C g[PACK];
-    sl.template scale<PACK>(d, g, p * PACK);
-#pragma unroll
-    for (int i = 0; i < PACK; ++i) {
-      const C xhat = (xv[i] - m) * rs;
-      add_row_terms<LAYER>(s, g[i], xhat);
-      if (WEIGHT) {
-        const int a = (p - p0) * PACK + i;
-        acc_w[a] += d[i] * xhat;
-        if (LAYER) acc_b[a] += d[i];
-      }
-    }
-  });
-}
-
-// Zeroes (or copies out) this thread's columns of packs [p0, p1): element (p - p0) * PACK + i of
-// a slice-local array is column p * PACK + i of the row.
-template <bool LAYER, int PACK, typename C>
-__device__ __forceinline__ void zero_own(C* acc_w, C* acc_b, int p0, int p1) {
-  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-#pragma unroll
-    for (int i = 0; i < PACK; ++i) {
-      acc_w[(p - p0) * PACK + i] = C(0);
-      if (LAYER) acc_b[(p - p0) * PACK + i] = C(0);
-    }
-  }
-}
-template <bool LAYER, int PACK, typename C>
-__device__ __forceinline__ void copy_own(const C* acc_w, const C* acc_b, C* dw, C* db, int p0,
-                                         int p1) {
-  for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-#pragma unroll
-    for (int i = 0; i < PACK; ++i) {
-      dw[p * PACK + i] = acc_w[(p - p0) * PACK + i];
-      if (LAYER) db[p * PACK + i] = acc_b[(p - p0) * PACK + i];
-    }
-  }
-}
-
-// Shared memory: x row, dy row (cols values of T each), then with WEIGHT NACC rows of cols
-// column sums in C, each column read and written only by the thread that owns it.
-template <typename T, int ALGO, int PACK, bool WEIGHT>
-__global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
-  CUKERN_NORM_BWD_SETUP;
-  extern __shared__ uint4 smem_words[];
-  T* const base = reinterpret_cast<T*>(smem_words);
-  const SmemRow<T, C, PACK> cache_x{base}, cache_dy{base + cols};
-  C* const acc_w = reinterpret_cast<C*>(base + 2 * static_cast<i64>(cols));
-  C* const acc_b = acc_w + (NACC - 1) * cols;
-  const int num_packs = cols / PACK;
+                                          const Store<C, T, false>& st, T* cache, int slice,
+                                          bool two, const ColSums<C, PACK>& acc_w,
+                                          const ColSums<C, PACK>& acc_b, RegSums<C, PACK>& regs,
+                                          const C* mean, const C* rstd, i64 row0, i64 rows,
+                                          i64 step, int cols, int p0, int p1, Reduce reduce) {
+  constexpr bool ASYNC = PACK * sizeof(T) >= 4;
+  constexpr int APT = RegSums<C, PACK>::APT;
   const C inv_cols = C(1) / C(cols);
-  if (WEIGHT) zero_own<LAYER, PACK>(acc_w, acc_b, 0, num_packs);
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  // buffer b: x at cache + 2 * b * slice, dy after it
+  auto issue = [&](i64 row, int b) {
+    if constexpr (ASYNC) {
+      T* const cx = cache + 2 * b * slice;
+      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+        cp_async<PACK * sizeof(T)>(cx + (p - p0) * PACK, ld.x.ptr + ld.x.at.offset(row, p * PACK));
+        cp_async<PACK * sizeof(T)>(cx + slice + (p - p0) * PACK,
+                                   ld.dy.ptr + ld.dy.at.offset(row, p * PACK));
+      }
+      cp_async_commit();
+    }
+  };
+  two = two && ASYNC;
+  if (two && row0 < rows) issue(row0, 0);
+  int b = 0;
+  for (i64 row = row0; row < rows; row += step, b ^= static_cast<int>(two)) {
+    const SmemRow<T, C, PACK> cx{cache + 2 * b * slice}, cdy{cache + (2 * b + 1) * slice};
     const C m = LAYER ? mean[row] : C(0), rs = rstd[row];
     Sums<C, NSUM> s = Sums<C, NSUM>::identity();
-    grad_scan<LAYER, WEIGHT, true, PACK>(ld_xdy, ld_g, cache_x, cache_dy, acc_w, acc_b, row, 0,
-                                         num_packs, m, rs, s);
-    s = allreduce_block(s);
-    for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
-      C xv[PACK], d[PACK], g[PACK];
-      cache_x.get(p, xv);
-      cache_dy.get(p, d);
-      ld_g.template scale<PACK>(d, g, p * PACK);
+    if (ASYNC) {
+      if (two) {
+        if (row + step < rows) issue(row + step, b ^ 1);
+        else cp_async_commit();  // an empty group keeps the count
+        cp_async_wait_group<1>();  // this row's copies are done; the next row's may not be
+      } else {
+        issue(row, 0);
+        cp_async_wait_group<0>();
+      }
+    }
+    if constexpr (SUMS && IN_REGS) {
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) xv[i] = grad_x<LAYER>(s, g[i], (xv[i] - m) * rs, rs, inv_cols);
+      for (int j = 0; j < APT; ++j) {
+        const int p = p0 + threadIdx.x + j * blockDim.x;
+        if (p < p1) {
+          C xv[PACK], d[PACK];
+          if (ASYNC) {
+            cx.get(p - p0, xv);
+            cdy.get(p - p0, d);
+          } else {
+            C v[2 * PACK];
+            ld.template load<PACK>(v, row, p * PACK);
+#pragma unroll
+            for (int i = 0; i < PACK; ++i) {
+              xv[i] = v[i];
+              d[i] = v[PACK + i];
+            }
+            cx.put(p - p0, xv);
+            cdy.put(p - p0, d);
+          }
+          grad_fold<LAYER, SUMS, true>(sl, acc_w, acc_b, regs, p, p - p0, j, xv, d, m, rs, s);
+        }
+      }
+    } else if constexpr (ASYNC) {
+      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+        C xv[PACK], d[PACK];
+        cx.get(p - p0, xv);
+        cdy.get(p - p0, d);
+        grad_fold<LAYER, SUMS, false>(sl, acc_w, acc_b, regs, p, p - p0, 0, xv, d, m, rs, s);
+      }
+    } else {
+      scan_packs<C, PACK, 2 * PACK, 2>(ld, row, p0, p1, [&](int p, const C* v) {
+        cx.put(p - p0, v);
+        cdy.put(p - p0, v + PACK);
+        grad_fold<LAYER, SUMS, false>(sl, acc_w, acc_b, regs, p, p - p0, 0, v, v + PACK, m, rs,
+                                      s);
+      });
+    }
+    const GradX<LAYER, C, NSUM> gx(reduce(s), m, rs, inv_cols);
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+      C xv[PACK], d[PACK], g[PACK];
+      cx.get(p - p0, xv);
+      cdy.get(p - p0, d);
+      sl.template scale<PACK>(d, g, p * PACK);
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) xv[i] = gx(xv[i], g[i]);
       st.template store<PACK>(xv, row, p * PACK);
     }
   }
-  if (WEIGHT) {
-    const i64 prow = static_cast<i64>(blockIdx.x) * cols;
-    copy_own<LAYER, PACK>(acc_w, acc_b, dw + prow, LAYER ? db + prow : nullptr, 0, num_packs);
+}
+
+// Writes this thread's register column sums of slice [p0, p1) to partial rows dw, db (row base).
+template <bool LAYER, int PACK, typename C>
+__device__ __forceinline__ void store_reg_sums(const RegSums<C, PACK>& regs, C* dw, C* db,
+                                               int p0, int p1) {
+#pragma unroll
+  for (int j = 0; j < RegSums<C, PACK>::APT; ++j) {
+    const int p = p0 + threadIdx.x + j * blockDim.x;
+    if (p < p1) {
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) {
+        dw[p * PACK + i] = regs.w[j][i];
+        if (LAYER) db[p * PACK + i] = regs.b[j][i];
+      }
+    }
   }
 }
 
-// No cache: x and dy are read twice; with WEIGHT the column sums live in this block's partial
-// rows in global memory (each column read and written by one thread only).
+// A cached backward kernel's work on slice [p0, p1) (`slice` values, cols for the block kernel)
+// of every `step`-th row from row0, given the dynamic shared memory: one or two buffers of the
+// slice of x and dy (two when there is room: see grad_rows), then, with WEIGHT and a slice too
+// long for register sums (RegSums::fits), NACC ColSums of the slice; the column sums end in
+// partial row `prow_index` of dw (and db).
+template <bool LAYER, bool WEIGHT, int PACK, int NSUM, int NACC, typename T, typename C,
+          typename Reduce>
+__device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
+                                            const ScaleLoad<T, C, WEIGHT>& sl,
+                                            const Store<C, T, false>& st, const C* mean,
+                                            const C* rstd, C* dw, C* db, i64 row0, i64 rows,
+                                            i64 step, int cols, int slice, int p0, int p1,
+                                            i64 prow_index, Reduce reduce) {
+  extern __shared__ uint4 smem_words[];
+  T* const base = reinterpret_cast<T*>(smem_words);
+  const int slice_packs = slice / PACK;
+  const bool in_regs = WEIGHT && RegSums<C, PACK>::fits(slice_packs);
+  const unsigned acc_bytes = WEIGHT && !in_regs ? NACC * slice * sizeof(C) : 0;
+  const bool two = dynamic_smem_bytes() >= 4u * slice * sizeof(T) + acc_bytes;
+  C* const acc = reinterpret_cast<C*>(base + (two ? 4 : 2) * static_cast<i64>(slice));
+  const ColSums<C, PACK> acc_w{acc, slice_packs}, acc_b{acc + (NACC - 1) * slice, slice_packs};
+  RegSums<C, PACK> regs;
+  const i64 prow = prow_index * cols;
+  if (!WEIGHT) {
+    grad_rows<LAYER, false, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
+                                               rstd, row0, rows, step, cols, p0, p1, reduce);
+  } else if (in_regs) {
+    regs.zero();
+    grad_rows<LAYER, true, true, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
+                                             rstd, row0, rows, step, cols, p0, p1, reduce);
+    store_reg_sums<LAYER, PACK>(regs, dw + prow, LAYER ? db + prow : nullptr, p0, p1);
+  } else {
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+      acc_w.zero(p - p0);
+      if (LAYER) acc_b.zero(p - p0);
+    }
+    grad_rows<LAYER, true, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
+                                              rstd, row0, rows, step, cols, p0, p1, reduce);
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+      acc_w.copy_to(p - p0, dw + prow + p * PACK);
+      if (LAYER) acc_b.copy_to(p - p0, db + prow + p * PACK);
+    }
+  }
+}
+
+template <typename T, int ALGO, int PACK, bool WEIGHT>
+__global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
+  CUKERN_NORM_BWD_SETUP;
+  auto reduce = [](const Sums<C, NSUM>& s) { return allreduce_block(s); };
+  grad_cached<LAYER, WEIGHT, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x,
+                                               rows, gridDim.x, cols, cols, 0, cols / PACK,
+                                               blockIdx.x, reduce);
+}
+
+// No cache: x and dy are read twice. dx only: with WEIGHT, g = dy * gamma, and dgamma/dbeta
+// come from norm_param_grad_partial (a row this long would need its column sums in memory).
 template <typename T, int ALGO, int PACK, bool WEIGHT>
 __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
-  const SmemRow<T, C, PACK> no_cache{nullptr};
   const int num_packs = cols / PACK;
   const C inv_cols = C(1) / C(cols);
-  const i64 prow = static_cast<i64>(blockIdx.x) * cols;
-  C* const acc_w = WEIGHT ? dw + prow : nullptr;
-  C* const acc_b = WEIGHT && LAYER ? db + prow : nullptr;
-  if (WEIGHT) zero_own<LAYER, PACK>(acc_w, acc_b, 0, num_packs);
+  const ColSums<C, PACK> no_sums{nullptr, 0};
+  RegSums<C, PACK> no_regs;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const C m = LAYER ? mean[row] : C(0), rs = rstd[row];
     Sums<C, NSUM> s = Sums<C, NSUM>::identity();
-    grad_scan<LAYER, WEIGHT, false, PACK>(ld_xdy, ld_g, no_cache, no_cache, acc_w, acc_b, row, 0,
-                                          num_packs, m, rs, s);
-    s = allreduce_block(s);
+    scan_packs<C, PACK, 2 * PACK, 4>(ld_xdy, row, 0, num_packs, [&](int p, const C* v) {
+      grad_fold<LAYER, false, false>(ld_g, no_sums, no_sums, no_regs, p, 0, 0, v, v + PACK, m,
+                                     rs, s);
+    });
+    const GradX<LAYER, C, NSUM> gx(allreduce_block(s), m, rs, inv_cols);
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C v[2 * PACK], g[PACK];
       ld_xdy.template load<PACK>(v, row, p * PACK);
       ld_g.template scale<PACK>(v + PACK, g, p * PACK);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = grad_x<LAYER>(s, g[i], (v[i] - m) * rs, rs, inv_cols);
+      for (int i = 0; i < PACK; ++i) v[i] = gx(v[i], g[i]);
       st.template store<PACK>(v, row, p * PACK);
     }
   }
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-// Each block of the cluster caches its slice of x, then of dy (`slice` values each), then with
-// WEIGHT its slice's column sums; the cluster's partial row is written by its blocks, a slice each.
+// Each block of the cluster caches its slice of the row (see grad_cached); the cluster's
+// partial row of column sums is written by its blocks, a slice each.
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
-  extern __shared__ uint4 smem_words[];
   const int num_packs = cols / PACK;
   const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // values per slice
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
-  T* const base = reinterpret_cast<T*>(smem_words);
-  const SmemRow<T, C, PACK> cache_x{base}, cache_dy{base + slice};
-  C* const acc_w = reinterpret_cast<C*>(base + 2 * static_cast<i64>(slice));
-  C* const acc_b = acc_w + (NACC - 1) * slice;
-  const C inv_cols = C(1) / C(cols);
-  if (WEIGHT) zero_own<LAYER, PACK>(acc_w, acc_b, p0, p1);
-  const i64 clusters = gridDim.x / CLUSTER;
-  for (i64 row = blockIdx.x / CLUSTER; row < rows; row += clusters) {
-    const C m = LAYER ? mean[row] : C(0), rs = rstd[row];
-    Sums<C, NSUM> s = Sums<C, NSUM>::identity();
-    grad_scan<LAYER, WEIGHT, true, PACK>(ld_xdy, ld_g, cache_x, cache_dy, acc_w, acc_b, row, p0,
-                                         p1, m, rs, s);
-    s = allreduce_cluster<CLUSTER>(allreduce_block(s));
-    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-      C xv[PACK], d[PACK], g[PACK];
-      cache_x.get(p - p0, xv);
-      cache_dy.get(p - p0, d);
-      ld_g.template scale<PACK>(d, g, p * PACK);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) xv[i] = grad_x<LAYER>(s, g[i], (xv[i] - m) * rs, rs, inv_cols);
-      st.template store<PACK>(xv, row, p * PACK);
-    }
-  }
-  if (WEIGHT) {
-    const i64 prow = static_cast<i64>(blockIdx.x / CLUSTER) * cols;
-    copy_own<LAYER, PACK>(acc_w, acc_b, dw + prow, LAYER ? db + prow : nullptr, p0, p1);
-  }
+  auto reduce = [](const Sums<C, NSUM>& s) {
+    return allreduce_cluster<CLUSTER>(allreduce_block(s));
+  };
+  grad_cached<LAYER, WEIGHT, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
+                                               blockIdx.x / CLUSTER, rows, gridDim.x / CLUSTER,
+                                               cols, slice, p0, p1, blockIdx.x / CLUSTER,
+                                               reduce);
 }
 #endif
+
+// dgamma (and dbeta) partial sums straight from x and dy, for rows too long for the backward
+// kernels to keep column sums on chip. Block: blockDim.x threads across columns, PACK columns
+// each (grid x); grid y splits the rows into gridDim.y chunks, each writing one partial row of
+// dw (and db), summed afterwards by norm_param_grad_reduce.
+template <typename T, int ALGO, int PACK>
+__global__ void __launch_bounds__(256)
+norm_param_grad_partial(const T* dy, const T* x, const typename Num<T>::compute* mean,
+                        const typename Num<T>::compute* rstd, typename Num<T>::compute* dw,
+                        typename Num<T>::compute* db, i64 rows, int cols, i64 sdy, i64 sx) {
+  typedef typename Num<T>::compute C;
+  constexpr bool LAYER = ALGO == kLayerNorm;
+  constexpr int U = 4;  // rows in flight per thread
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * PACK;
+  if (col >= cols) return;
+  const i64 chunk = (rows + gridDim.y - 1) / gridDim.y;
+  const i64 r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+  const Load<T, C, false> ld_x{x, rows_at(sx)}, ld_dy{dy, rows_at(sdy)};
+  C aw[PACK], ab[PACK];
+#pragma unroll
+  for (int i = 0; i < PACK; ++i) aw[i] = ab[i] = C(0);
+  i64 r = r0;
+  for (; r + U <= r1; r += U) {
+    C xv[U][PACK], d[U][PACK], m[U], rs[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      ld_x.template load<PACK>(xv[u], r + u, col);
+      ld_dy.template load<PACK>(d[u], r + u, col);
+      m[u] = LAYER ? mean[r + u] : C(0);
+      rs[u] = rstd[r + u];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) {
+        aw[i] += d[u][i] * ((xv[u][i] - m[u]) * rs[u]);
+        ab[i] += d[u][i];
+      }
+    }
+  }
+  for (; r < r1; ++r) {
+    C xv[PACK], d[PACK];
+    ld_x.template load<PACK>(xv, r, col);
+    ld_dy.template load<PACK>(d, r, col);
+    const C m = LAYER ? mean[r] : C(0), rs = rstd[r];
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) {
+      aw[i] += d[i] * ((xv[i] - m) * rs);
+      ab[i] += d[i];
+    }
+  }
+  const i64 prow = static_cast<i64>(blockIdx.y) * cols + col;
+#pragma unroll
+  for (int i = 0; i < PACK; ++i) {
+    dw[prow + i] = aw[i];
+    if (LAYER) db[prow + i] = ab[i];
+  }
+}
 
 // dgamma (and dbeta) from the partial rows: partial is (gridDim.y, prows, cols) in the compute
 // type; blockIdx.y 0 writes dw, 1 writes db. Block (32, 32): 32 columns, 32 row lanes.

@@ -16,6 +16,8 @@ from cukern._dispatch import OPS, Variant, plan_rowwise
 from cukern.ops import _common
 from cukern.ops import layer_norm as ln
 
+from .conftest import col_sums_expected
+
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
 FWD = ("layer_norm", "rms_norm")
@@ -123,6 +125,9 @@ def smem_edge(op, dtype, weight, device):
 @pytest.mark.parametrize("op", NORM_OPS)
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_block_smem_boundary(op, dtype, weight):
+    if weight and op in BWD:
+        pytest.skip("a backward with column sums plans its shared memory differently: "
+                    "test_col_sums_shared_memory")
     extra = ("true",) + OPS[op].extras[-1][1:] if weight else default_extra(op)
     assert extra in OPS[op].extras
     edge = smem_edge(op, dtype, weight, H100)
@@ -141,6 +146,30 @@ def test_block_smem_boundary(op, dtype, weight):
                         extra=extra).variant is Variant.BLOCK_UNCACHED
 
 
+@pytest.mark.parametrize("op", BWD)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_col_sums_shared_memory(op, dtype):
+    pack = 16 // ITEM[dtype]
+    for cols in (2048, 4096, 8192, 16384, 18000, 24000, 32768, 65536, 131072, 262144):
+        cols = cols // pack * pack
+        p = plan_rowwise(op, 1000, cols, dtype, H100, extra=("true",))
+        sizes = [1] + [c for c in _dispatch.CLUSTER_SIZES]
+        fits = [(size, col_sums_expected(op, dtype, cols, size, H100)) for size in sizes]
+        fits = [(size, e) for size, e in fits if e is not None]
+        if not fits:
+            assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
+            continue
+        size, (threads, smem) = fits[0]
+        assert p.variant is (Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER), (cols, p)
+        assert (p.cluster, p.threads, p.smem_bytes) == (size, threads, smem), (cols, p)
+        per_sm = H100.model_occupancy(threads, smem)
+        assert p.grid == min(1000 * size, 132 * per_sm // size * size)
+    # the sums leave shared memory to x and dy: float16 rows of 16384 fit one block,
+    # double-buffered, with 1024 threads holding 2 packs' sums each
+    p = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
+    assert (p.variant, p.threads, p.smem_bytes) == (Variant.BLOCK_SMEM, 1024, 4 * 2 * 16384)
+
+
 def test_forward_smem_ignores_weight():
     # the forward reads gamma/beta from global memory: only x (or x + residual) is cached
     a = plan_rowwise("layer_norm", 8, 5000, "float16", H100, extra=("true", "true", "true"))
@@ -157,15 +186,17 @@ def test_backward_with_weight_uses_one_wave_of_blocks():
     assert p.grid == 1  # never more blocks than rows need
     p = plan_rowwise("rms_norm_backward", 4096, 4096, "float16", H100, extra=("true",))
     assert p.variant is Variant.BLOCK_SMEM
-    assert p.smem_bytes == 4096 * (2 * 2 + 4)
+    assert p.smem_bytes == 2 * 2 * 4096 * 2  # x and dy, two buffers; the sums in registers
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.grid == 132 * per_sm
     p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", H100, extra=("true",))
     assert p.variant is Variant.CLUSTER
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.grid == 132 * per_sm // p.cluster * p.cluster
+    # the uncached kernel leaves the column sums to norm_param_grad_partial: OneFlow's waves
     p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", A100, extra=("true",))
-    assert p.variant is Variant.BLOCK_UNCACHED and p.grid == 108 * 2
+    assert p.variant is Variant.BLOCK_UNCACHED and p.grid == 4096
+    assert any("norm_param_grad_partial" in n for n in p.notes)
 
 
 def test_explain_knows_the_norms():
@@ -212,6 +243,8 @@ def test_reachable_sets():
                 assert all(n[:-1].split(", ")[-2] == "false" for n in kernels)
             if op in BWD:
                 assert f"cukern::norm_param_grad_reduce<{CPP[dt]}>" in names
+                algo = OPS[op].algo
+                assert f"cukern::norm_param_grad_partial<{CPP[dt]}, {algo}, 1>" in names
             a100 = _dispatch.reachable_plans(op, dt, A100)
             assert not any("cluster" in n for n in a100)
             assert {n for n in names if "cluster" not in n} == a100

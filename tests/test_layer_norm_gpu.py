@@ -9,10 +9,10 @@ import pytest
 
 import cukern
 from cukern import reference
-from cukern._dispatch import OPS, Variant, max_dynamic_smem
+from cukern._dispatch import CLUSTER_SIZES, OPS, Variant, max_dynamic_smem
 from cukern.ops import layer_norm as ln_mod
 
-from .conftest import DTYPES, TOL
+from .conftest import DTYPES, TOL, col_sums_expected
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_layer_norm")]
@@ -67,6 +67,22 @@ def spec():
 def smem_per_col(op, dtype, weight):
     sums = OPS[op].col_sums if weight else 0
     return ITEM[dtype] * OPS[op].inputs + sums * (8 if dtype == "float64" else 4)
+
+
+def col_sums_shapes(op, dtype):
+    """(shape, expected variant) for a backward with a weight on this device: every way its
+    column sums are planned (registers or shared memory, one or two buffers, block or cluster,
+    packs of one element), by conftest.col_sums_expected."""
+    shapes = [((1, 1), Variant.WARP), ((7, 33), Variant.WARP), ((5, 1024), Variant.WARP)]
+    sizes = [1] + (list(CLUSTER_SIZES) if spec().has_clusters else [])
+    for cols in (1025, 2048, 5001, 16384, 18000, 20001, 36000, 70000, 10**5 + 3, 160000,
+                 300000):
+        fits = [s for s in sizes if col_sums_expected(op, dtype, cols, s, spec())]
+        variant = Variant.BLOCK_UNCACHED
+        if fits:
+            variant = Variant.BLOCK_SMEM if fits[0] == 1 else Variant.CLUSTER
+        shapes.append(((3, cols), variant))
+    return shapes
 
 
 def variant_shapes(op, dtype, weight=False):
@@ -351,7 +367,8 @@ def check_backward(op, x, dy, w, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", BWD)
 def test_backward_every_variant(op, dtype, weight, rng):
-    for shape, variant in variant_shapes(op, dtype, weight):
+    shapes = col_sums_shapes(op, dtype) if weight else variant_shapes(op, dtype)
+    for shape, variant in shapes:
         x = make(shape, dtype, rng)
         dy = make(shape, dtype, rng, 1.0, 0.1)
         w = make(shape[-1], dtype, rng, 1.0, 1.0) if weight else None

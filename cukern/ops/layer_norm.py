@@ -359,7 +359,8 @@ def _backward(op: str, dy, x, mean, rstd, weight):
                         _arg(None if partial is None else partial[0]),
                         _arg(None if partial is None or not layer else partial[1]))
             if partial is not None:
-                launch.reduce(partial, dw, _arg(db))
+                launch.reduce(partial, dw, _arg(db),
+                              (dyv, xv, _arg(stats.get("mean")), stats["rstd"]))
         elif w is not None:
             dw.fill(0)  # a sum over no rows (or an empty dweight, when cols == 0)
             if db is not None:
@@ -374,22 +375,56 @@ def _wrap_opt(wrap, a):
     return None if a is None else wrap(a)
 
 
+def _aux_kernel(op: str, index: int, dtype: str, dev: int, pack: int = 1):
+    from .. import _compile
+
+    info = _dispatch.OPS[op]
+    name = info.aux_kernels[index].format(t=_dispatch.CPP_TYPES[dtype], algo=info.algo,
+                                          pack=pack)
+    return _compile.get_kernel("layer_norm", name, dev)
+
+
 class _Reduce:
-    """norm_param_grad_reduce: the partial rows of dweight (and dbias) summed into the outputs."""
+    """norm_param_grad_reduce: the partial rows of dweight (and dbias) summed into the outputs,
+    after norm_param_grad_partial has written them when the main kernel does not."""
 
-    __slots__ = ("grid", "kernel", "tail")
+    __slots__ = ("grid", "kernel", "tail", "partial")
 
-    def __init__(self, dtype: str, dev: int, prows: int, cols: int, nacc: int):
-        from .. import _compile
+    def __init__(self, op: str, plan: _dispatch.Plan, dev: int, prows: int, nacc: int,
+                 partial=None):
+        self.kernel = _aux_kernel(op, 0, plan.dtype, dev)
+        self.grid = (-(-plan.cols // 32), nacc)
+        self.tail = (np.int64(prows), np.int32(plan.cols))
+        self.partial = partial
 
-        name = _dispatch.OPS["layer_norm_backward"].aux_kernels[0].format(
-            t=_dispatch.CPP_TYPES[dtype])
-        self.kernel = _compile.get_kernel("layer_norm", name, dev)
-        self.grid = (-(-cols // 32), nacc)
-        self.tail = (np.int64(prows), np.int32(cols))
-
-    def __call__(self, partial, dw, db) -> None:
+    def __call__(self, partial, dw, db, args) -> None:
+        if self.partial is not None:
+            self.partial(partial, args)
         self.kernel(self.grid, (32, 32), (partial, dw, db) + self.tail)
+
+
+class _Partial:
+    """norm_param_grad_partial: dweight (and dbias) partial rows straight from x and dy, for
+    the uncached backward kernel, which keeps no column sums. Block: 256 threads across
+    columns; grid y: row chunks, about two waves of blocks in all."""
+
+    THREADS = 256
+
+    __slots__ = ("grid", "kernel", "tail", "prows")
+
+    def __init__(self, op: str, plan: _dispatch.Plan, dev: int, sx: int, sdy: int):
+        self.kernel = _aux_kernel(op, 1, plan.dtype, dev, plan.pack_size)
+        tiles = -(-plan.cols // (self.THREADS * plan.pack_size))
+        spec = c.device_spec(dev)
+        waves = 2 * spec.sms * (spec.max_threads_per_sm // self.THREADS)
+        self.prows = max(1, min(plan.rows, waves // tiles))
+        self.grid = (tiles, self.prows)
+        self.tail = (np.int64(plan.rows), np.int32(plan.cols), np.int64(sdy), np.int64(sx))
+
+    def __call__(self, partial, args) -> None:
+        dy, x, mean, rstd = args
+        db = partial[1] if len(partial) > 1 else _NULL
+        self.kernel(self.grid, (self.THREADS,), (dy, x, mean, rstd, partial[0], db) + self.tail)
 
 
 def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, extra) -> _Launches:
@@ -400,8 +435,11 @@ def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, extra) -> _Launche
     if extra[0] != "true":
         return _Launches(main)
     nacc = _dispatch.OPS[op].col_sums
+    if plan.variant is _dispatch.Variant.BLOCK_UNCACHED:
+        part = _Partial(op, plan, dev, sx, sdy)
+        return _Launches(main, _Reduce(op, plan, dev, part.prows, nacc, part), part.prows, nacc)
     prows = plan.grid // plan.cluster
-    return _Launches(main, _Reduce(dtype, dev, prows, cols, nacc), prows, nacc)
+    return _Launches(main, _Reduce(op, plan, dev, prows, nacc), prows, nacc)
 
 
 def last_plan(op: str):
