@@ -112,6 +112,22 @@ template <typename T, int N> union Pack {
   T elem[N];
 };
 
+// Element i of a pack in the compute type. bfloat16 is the top half of a float: each value
+// comes out of its 32-bit word with one shift or mask (per-element conversion costs about two
+// instructions: extract, then shift).
+template <typename T, int N>
+__device__ __forceinline__ typename Num<T>::compute pack_value(const Pack<T, N>& p, int i) {
+  return Num<T>::to(p.elem[i]);
+}
+template <int N> __device__ __forceinline__ float pack_value(const Pack<bf16, N>& p, int i) {
+  if constexpr (N >= 2) {
+    const unsigned w = reinterpret_cast<const unsigned*>(&p.word)[i / 2];
+    return __uint_as_float(i % 2 ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    return Num<bf16>::to(p.elem[i]);
+  }
+}
+
 // The vector word of N values, assembled with integer ops, and stored with one instruction.
 // (Through the union, the compiler takes the word apart again and stores it in 2- to 4-byte
 // pieces: four or more store instructions a pack.)
@@ -213,7 +229,7 @@ template <typename T, typename C, bool STRIDED> struct Load {
   template <int N> __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
     const Pack<T, N> pack = raw<N>(row, col);
 #pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = Num<T>::to(pack.elem[i]);
+    for (int i = 0; i < N; ++i) dst[i] = pack_value(pack, i);
   }
 };
 
@@ -248,7 +264,7 @@ template <typename T, typename C, int N> struct SmemRow {
     Pack<T, N> pack;
     pack.word = reinterpret_cast<const typename Pack<T, N>::word_t*>(base)[pack_id];
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = Num<T>::to(pack.elem[i]);
+    for (int i = 0; i < N; ++i) v[i] = pack_value(pack, i);
   }
 };
 
@@ -452,8 +468,9 @@ __device__ __forceinline__ MaxSum<T, C> cluster_allreduce(MaxSum<T, C> v) {
 //   static S identity();  static S merge(const S& a, const S& b);
 //   S shfl_xor(int mask) const;          (every lane of the warp calls it)
 //   static S remote(unsigned addr);      (reads a state from another block's shared memory)
-// Merges are applied in lane order (the lower lane's state first), so every participant ends
-// with bit-identical results even when merge is not commutative in floating point.
+// merge must be commutative bit for bit (merge(a, b) == merge(b, a) exactly), so that both
+// lanes of a butterfly step, and every warp reducing the same partials, end with bit-identical
+// results with no lane-dependent operand order (which would diverge the warp).
 
 __device__ __forceinline__ unsigned lane_id() {
   unsigned l;
@@ -490,18 +507,27 @@ template <typename C, int K> struct Sums {
   }
 };
 
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
 // Welford's running (count, mean, sum of squared deviations). merge is Chan et al.'s pairwise
-// update: n = na + nb, d = mb - ma, m = ma + d * nb / n, M2 = M2a + M2b + d^2 * na * nb / n.
+// update in a symmetric form: n = na + nb, m = (na * ma + nb * mb) / n,
+// M2 = M2a + M2b + (mb - ma)^2 * na * nb / n. Every operation is commutative and the products
+// are not contracted into fused multiply-adds, so merge(a, b) == merge(b, a) exactly. Empty
+// states (n = 0) merge to the other state; the 1 / n is the fast reciprocal (2 ulp), far below
+// what it scales.
 template <typename C> struct Welford {
   C n, mean, m2;
   static __device__ __forceinline__ Welford identity() { return Welford{C(0), C(0), C(0)}; }
   static __device__ __forceinline__ Welford merge(const Welford& a, const Welford& b) {
-    if (b.n == C(0)) return a;
-    if (a.n == C(0)) return b;
     const C n = a.n + b.n;
+    const C inv = n > C(0) ? Math<C>::div_fast(C(1), n) : C(0);
     const C d = b.mean - a.mean;
-    const C fb = Math<C>::div_fast(b.n, n);  // a weight: 2 ulp is far below what it scales
-    return Welford{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
+    const C mean = mul_rn(add_rn(mul_rn(a.n, a.mean), mul_rn(b.n, b.mean)), inv);
+    const C m2 = add_rn(add_rn(a.m2, b.m2), mul_rn(mul_rn(mul_rn(d, d), mul_rn(a.n, b.n)), inv));
+    return Welford{n, mean, m2};
   }
   // Folds N values in: their exact two-pass mean and M2, then one merge.
   template <int N> __device__ __forceinline__ void add(const C* v) {
@@ -527,37 +553,29 @@ template <typename C> struct Welford {
 // All-reduce inside groups of `width` consecutive lanes (a power of two <= 32, the same for the
 // whole warp). Every lane of the warp must call it.
 template <typename S> __device__ __forceinline__ S allreduce_group(S v, int width) {
-  const unsigned lane = lane_id();
 #pragma unroll
   for (int mask = 16; mask > 0; mask /= 2) {
-    if (mask < width) {
-      const S o = v.shfl_xor(mask);
-      v = (lane & mask) ? S::merge(o, v) : S::merge(v, o);
-    }
+    if (mask < width) v = S::merge(v, v.shfl_xor(mask));
   }
   return v;
 }
 
-// All-reduce over the whole block. Every thread must call it; it ends with a barrier, so calls
-// may follow each other.
-template <typename S> __device__ __forceinline__ S allreduce_block(S v) {
-  __shared__ S partial[32];
-  __shared__ S result;
+// All-reduce over the whole block, with one barrier. Every thread must call it, with the same
+// `phase` (a counter each thread keeps, starting at 0, that the call advances): it picks one of
+// two buffers for the warps' partial states, so a call never overwrites partials that threads
+// may still be reading from the previous call (a thread reaching the call after that has passed
+// the barrier of the one between). Every warp reduces the partials itself: no broadcast.
+template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned& phase) {
+  __shared__ S partial[2][32];
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
   const int warp = tid / 32, nwarps = (blockDim.x * blockDim.y + 31) / 32;
   const unsigned lane = lane_id();
+  S* const slots = partial[phase & 1u];
+  phase += 1;
   v = allreduce_group(v, 32);
-  if (lane == 0) partial[warp] = v;
+  if (lane == 0) slots[warp] = v;
   __syncthreads();
-  if (warp == 0) {
-    S w = static_cast<int>(lane) < nwarps ? partial[lane] : S::identity();
-    w = allreduce_group(w, 32);
-    if (lane == 0) result = w;
-  }
-  __syncthreads();
-  v = result;
-  __syncthreads();
-  return v;
+  return allreduce_group(static_cast<int>(lane) < nwarps ? slots[lane] : S::identity(), 32);
 }
 
 // All-reduce of one state per block across the CLUSTER blocks of a cluster (sm_90). `v` must be

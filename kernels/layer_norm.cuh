@@ -154,8 +154,8 @@ __device__ __forceinline__ void scan_packs(const L& ld, i64 row, int p0, int p1,
   }
 }
 
-template <typename C> __device__ __forceinline__ C block_sum(C v) {
-  return allreduce_block(Sums<C, 1>{{v}}).v[0];
+template <typename C> __device__ __forceinline__ C block_sum(C v, unsigned& phase) {
+  return allreduce_block(Sums<C, 1>{{v}}, phase).v[0];
 }
 
 // x - K - m': in two steps (exact for float and double rows far from zero), or as x - (K + m')
@@ -213,6 +213,8 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   constexpr bool SHIFT = ALGO == kLayerNorm;                                                   \
   constexpr bool TWO_STEP = SHIFT && sizeof(T) >= 4;                                           \
   (void)TWO_STEP;                                                                              \
+  unsigned phase = 0; /* allreduce_block's buffer phase */                                     \
+  (void)phase;                                                                                 \
   const SkipLoad<T, C, RESIDUAL> ld{{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};   \
   const AffineStore<C, T, WEIGHT, BIAS> st{{y, rows_at(sy)}, {gamma, rows_at(0)},              \
                                            {beta, rows_at(0)}}
@@ -342,12 +344,12 @@ __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PA
     }
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
-      const Welford<C> w = allreduce_block(own_deviations<TWO_STEP, PACK>(cache, s, k, 0,
-                                                                          num_packs));
+      const Welford<C> w = allreduce_block(
+          own_deviations<TWO_STEP, PACK>(cache, s, k, 0, num_packs), phase);
       m = w.mean;
       var = w.m2 / C(cols);
     } else {
-      var = block_sum(s) / C(cols);
+      var = block_sum(s, phase) / C(cols);
     }
     const C rs = Math<C>::rsqrt(var + eps);
     if (threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
@@ -380,7 +382,7 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
         for (int i = 0; i < PACK; ++i) d[i] = v[i] - k;
         w.template add<PACK>(d);
       });
-      w = allreduce_block(w);
+      w = allreduce_block(w, phase);
       m = w.mean;
       var = w.m2 / C(cols);
     } else {
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 #pragma unroll
         for (int i = 0; i < PACK; ++i) s += v[i] * v[i];
       });
-      var = block_sum(s) / C(cols);
+      var = block_sum(s, phase) / C(cols);
     }
     const C rs = Math<C>::rsqrt(var + eps);
     if (threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
@@ -442,11 +444,11 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {  // as in layer_norm_block_smem, then across the cluster
       const Welford<C> w = allreduce_cluster<CLUSTER>(
-          allreduce_block(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1)));
+          allreduce_block(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1), phase));
       m = w.mean;
       var = w.m2 / C(cols);
     } else {
-      var = allreduce_cluster<CLUSTER>(Sums<C, 1>{{block_sum(s)}}).v[0] / C(cols);
+      var = allreduce_cluster<CLUSTER>(Sums<C, 1>{{block_sum(s, phase)}}).v[0] / C(cols);
     }
     const C rs = Math<C>::rsqrt(var + eps);
     if (rank == 0 && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
@@ -485,6 +487,8 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   const Store<C, T, false> st{dx, rows_at(sdx)};                                               \
   (void)ld_x;                                                                                  \
   (void)ld_xdy;                                                                                \
+  unsigned phase = 0; /* allreduce_block's buffer phase */                                     \
+  (void)phase;                                                                                 \
   (void)NACC
 
 // One element's contribution to the row sums.
@@ -883,7 +887,7 @@ __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
 template <typename T, int ALGO, int PACK, bool WEIGHT>
 __global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
-  auto reduce = [](const Sums<C, NSUM>& s) { return allreduce_block(s); };
+  auto reduce = [&](const Sums<C, NSUM>& s) { return allreduce_block(s, phase); };
   grad_cached<LAYER, WEIGHT, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x,
                                                rows, gridDim.x, cols, cols, 0, cols / PACK,
                                                blockIdx.x, reduce);
@@ -905,7 +909,7 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NO
       grad_fold<LAYER, false, false>(ld_g, no_sums, no_sums, no_regs, p, 0, 0, v, v + PACK, m,
                                      rs, s);
     });
-    const GradX<LAYER, C, NSUM> gx(allreduce_block(s), m, rs, inv_cols);
+    const GradX<LAYER, C, NSUM> gx(allreduce_block(s, phase), m, rs, inv_cols);
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C v[2 * PACK], g[PACK];
       ld_xdy.template load<PACK>(v, row, p * PACK);
@@ -928,8 +932,8 @@ layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // values per slice
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
-  auto reduce = [](const Sums<C, NSUM>& s) {
-    return allreduce_cluster<CLUSTER>(allreduce_block(s));
+  auto reduce = [&](const Sums<C, NSUM>& s) {
+    return allreduce_cluster<CLUSTER>(allreduce_block(s, phase));
   };
   grad_cached<LAYER, WEIGHT, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
                                                blockIdx.x / CLUSTER, rows, gridDim.x / CLUSTER,

@@ -136,7 +136,7 @@ __device__ __forceinline__ MaxSum<T> softmax_scan(
     for (int u = 0; u < U; ++u) {
       C c[PACK];
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v[u].elem[i]);
+      for (int i = 0; i < PACK; ++i) c[i] = pack_value(v[u], i);
       acc.template add<PACK>(c);
     }
   }
@@ -213,7 +213,7 @@ __device__ __forceinline__ MaxSum<T> softmax_fill(const Load<T, typename Num<T>:
       cache[p - p0 + u * BLOCK].word = v[u].word;
       C c[PACK];
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(v[u].elem[i]);
+      for (int i = 0; i < PACK; ++i) c[i] = pack_value(v[u], i);
       ms.template add<PACK>(c);
     }
   }
@@ -258,7 +258,7 @@ __device__ __forceinline__ void softmax_cached(const Load<T, typename Num<T>::co
         const P v = cache[p - p0 + u * BLOCK];
         C out[PACK];
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) out[i] = softmax_out<ALGO, T>(Num<T>::to(v.elem[i]), m, rc);
+        for (int i = 0; i < PACK; ++i) out[i] = softmax_out<ALGO, T>(pack_value(v, i), m, rc);
         st.template store<PACK>(out, row, (p + u * BLOCK) * PACK);
       }
       if (more) {
@@ -268,7 +268,7 @@ __device__ __forceinline__ void softmax_cached(const Load<T, typename Num<T>::co
           cache[p - p0 + u * BLOCK].word = nv[u].word;
           C c[PACK];
 #pragma unroll
-          for (int i = 0; i < PACK; ++i) c[i] = Num<T>::to(nv[u].elem[i]);
+          for (int i = 0; i < PACK; ++i) c[i] = pack_value(nv[u], i);
           ms_next.template add<PACK>(c);
         }
       }
@@ -388,7 +388,7 @@ __device__ __forceinline__ typename Num<T>::compute softmax_grad_fill(
       cache_dy[p - p0 + u * BLOCK].word = b[u].word;
 #pragma unroll
       for (int i = 0; i < PACK; ++i) {
-        s += grad_term<ALGO>(Num<T>::to(a[u].elem[i]), Num<T>::to(b[u].elem[i]));
+        s += grad_term<ALGO>(pack_value(a[u], i), pack_value(b[u], i));
       }
     }
   }
@@ -398,7 +398,7 @@ __device__ __forceinline__ typename Num<T>::compute softmax_grad_fill(
     cache_y[p - p0].word = a.word;
     cache_dy[p - p0].word = b.word;
 #pragma unroll
-    for (int i = 0; i < PACK; ++i) s += grad_term<ALGO>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]));
+    for (int i = 0; i < PACK; ++i) s += grad_term<ALGO>(pack_value(a, i), pack_value(b, i));
   }
   return s;
 }
@@ -441,7 +441,7 @@ __device__ __forceinline__ void softmax_grad_cached(
         C out[PACK];
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
-          out[i] = grad_out<ALGO, T>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]), s);
+          out[i] = grad_out<ALGO, T>(pack_value(a, i), pack_value(b, i), s);
         }
         st.template store<PACK>(out, row, (p + u * BLOCK) * PACK);
       }
@@ -452,7 +452,7 @@ __device__ __forceinline__ void softmax_grad_cached(
           cache_dy[p - p0 + u * BLOCK].word = nb[u].word;
 #pragma unroll
           for (int i = 0; i < PACK; ++i) {
-            s_next += grad_term<ALGO>(Num<T>::to(na[u].elem[i]), Num<T>::to(nb[u].elem[i]));
+            s_next += grad_term<ALGO>(pack_value(na[u], i), pack_value(nb[u], i));
           }
         }
       }
@@ -467,7 +467,7 @@ __device__ __forceinline__ void softmax_grad_cached(
       C out[PACK];
 #pragma unroll
       for (int i = 0; i < PACK; ++i) {
-        out[i] = grad_out<ALGO, T>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]), s);
+        out[i] = grad_out<ALGO, T>(pack_value(a, i), pack_value(b, i), s);
       }
       st.template store<PACK>(out, row, p * PACK);
       if (more) {
@@ -475,7 +475,7 @@ __device__ __forceinline__ void softmax_grad_cached(
         cache_dy[p - p0].word = nb.word;
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
-          s_next += grad_term<ALGO>(Num<T>::to(na.elem[i]), Num<T>::to(nb.elem[i]));
+          s_next += grad_term<ALGO>(pack_value(na, i), pack_value(nb, i));
         }
       }
     }
@@ -517,7 +517,7 @@ __device__ __forceinline__ typename Num<T>::compute softmax_grad_scan(
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int i = 0; i < PACK; ++i) {
-        acc += grad_term<ALGO>(Num<T>::to(a[u].elem[i]), Num<T>::to(b[u].elem[i]));
+        acc += grad_term<ALGO>(pack_value(a[u], i), pack_value(b[u], i));
       }
     }
   }
@@ -525,7 +525,7 @@ __device__ __forceinline__ typename Num<T>::compute softmax_grad_scan(
     const Pack<T, PACK> a = ld_y.template raw<PACK>(row, p * PACK);
     const Pack<T, PACK> b = ld_dy.template raw<PACK>(row, p * PACK);
 #pragma unroll
-    for (int i = 0; i < PACK; ++i) acc += grad_term<ALGO>(Num<T>::to(a.elem[i]), Num<T>::to(b.elem[i]));
+    for (int i = 0; i < PACK; ++i) acc += grad_term<ALGO>(pack_value(a, i), pack_value(b, i));
   }
   return acc;
 }
