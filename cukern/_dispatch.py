@@ -30,6 +30,7 @@ from ._device import DeviceSpec
 __all__ = ["Plan", "Variant", "plan_rowwise", "OPS"]
 
 WARP_MAX_COLS = 1024  # OneFlow: the warp kernel holds at most 32 values a lane, 32 lanes a row
+WARP_MAX_COLS_WITH_SUMS = 512  # a backward with column sums (registers: see plan_rowwise)
 WARP_BLOCK_THREADS = 128  # OneFlow: 128 threads per block for the warp kernel
 BLOCK_SIZES = (1024, 512, 256)  # tried, largest first, against the 128-thread occupancy
 UNCACHED_BLOCK = 1024
@@ -122,6 +123,9 @@ class Plan:
     strided: bool = False
     device: str = ""
     extra: tuple[str, ...] = ()  # op-specific template arguments, appended to the kernel's
+    # A cached backward with column sums: they live in registers (else in shared memory); the
+    # kernel's last template argument
+    sums_in_registers: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -149,6 +153,8 @@ class Plan:
         else:
             args = [t, info.algo, s, self.pack_size, self.threads]
         args += list(self.extra)
+        if info.col_sums and self.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
+            args.append("true" if self.sums_in_registers else "false")
         return f"cukern::{info.kernel}_{self.variant.value}<{', '.join(map(str, args))}>"
 
     @property
@@ -182,7 +188,10 @@ class Plan:
         return "\n".join(lines)
 
 
-# Occupancy query: (candidate plan) -> resident blocks per SM; 0 means it cannot launch.
+# Occupancy query: (candidate plan) -> resident blocks per SM; 0 means it cannot launch. It may
+# carry ``max_clusters(plan) -> int | None``: how many clusters of a cluster plan fit the GPU at
+# once (the driver's answer; SMs x blocks per SM / cluster size when absent), which sizes the
+# one-wave grids of the backward with column sums.
 Occupancy = Callable[[Plan], int]
 
 
@@ -285,7 +294,10 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
             return max(1, min(needed, device.sms * max(1, occ(plan))))
         return num_blocks(device, plan.threads, needed)
 
-    if cols <= WARP_MAX_COLS:
+    # With column sums the warp kernel also holds them in registers: over 512 columns that is
+    # 150-170 registers a thread (3 blocks per SM), 76-81% of copy at 1024 columns on the H100,
+    # against 87-93% for the block kernel at 2048.
+    if cols <= (WARP_MAX_COLS_WITH_SUMS if col_sums else WARP_MAX_COLS):
         width, cpt, rpa, padding = warp_shape(cols, pack, rows, pow2=info.runtime_shape)
         block = (width, WARP_BLOCK_THREADS // width)
         groups = -(-rows // rpa)
@@ -374,16 +386,21 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     """A cached backward that also sums over rows (dweight, dbias): a grid of one wave of
     resident blocks, each looping over rows and writing one partial row of sums at the end.
 
-    Per block slice of ``values`` columns (the row, or a cluster's share of it):
+    For a block's slice of ``values`` columns (the row, or a cluster's share of it), four ways,
+    tried in this order:
 
-    * the sums live in registers when the slice has at most ``reg_sum_packs * threads`` packs
-      (the block is made wide enough: up to 1024 threads), else in shared memory beside the
-      cached x and dy (``col_sums`` values of the compute type per column);
-    * x and dy are double-buffered (the next row's copies overlap this row's reduction and dx
-      pass) when twice their shared memory fits beside the sums and the packs are at least 4
-      bytes (asynchronous copies), else single-buffered.
+    1. sums in shared memory beside x and dy (``col_sums`` values of the compute type per
+       column), x and dy double-buffered (the next row's copies overlap this row's reduction
+       and dx pass; needs packs of at least 4 bytes, for asynchronous copies);
+    2. the same, single-buffered;
+    3. sums in registers (slices of at most ``reg_sum_packs * 1024`` packs; the block is made
+       wide enough), double-buffered;
+    4. the same, single-buffered.
 
-    The block kernel if its row fits, else the smallest cluster that fits; None: neither does.
+    The first that keeps two blocks resident per SM (they overlap each other's reductions),
+    else the first double-buffered one that fits, else the first that fits. Register sums
+    free shared memory but cost 16 or 32 registers a thread: a separate instantiation. The
+    block kernel if any way fits its row, else the smallest cluster; None: neither.
     """
     csize = 8 if base["dtype"] == "float64" else 4
     apt = reg_sum_packs(base["dtype"], pack)
@@ -393,28 +410,37 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     def attempt(variant: Variant, size: int, max_block: int) -> Plan | None:
         slice_packs = -(-(cols // pack) // size)
         values = slice_packs * pack
-        threads = min(max_block, block_threads_for(slice_packs))
-        in_regs = slice_packs <= apt * 1024
-        if in_regs:
-            threads = max(threads, min(1024, _pow2_at_least(-(-slice_packs // apt))))
-        sums = 0 if in_regs else col_sums * csize * values
         rows_smem = item * info.inputs * values
-        for two in ((True, False) if asynchronous else (False,)):
-            smem = rows_smem * (2 if two else 1) + sums
+        found = []
+        for in_regs, two in itertools.product((False, True), (True, False)):
+            if (two and not asynchronous) or (in_regs and slice_packs > apt * 1024):
+                continue
+            threads = min(max_block, block_threads_for(slice_packs))
+            if in_regs:
+                threads = max(threads, min(1024, _pow2_at_least(-(-slice_packs // apt))))
+            smem = rows_smem * (2 if two else 1) + (0 if in_regs else col_sums * csize * values)
             if smem > limit:
                 continue
             plan = Plan(variant=variant, block=(threads, 1), grid=size, smem_bytes=smem,
-                        cluster=size, **no_warp, **base)
+                        cluster=size, sums_in_registers=in_regs, **no_warp, **base)
             per_sm = occ(plan)
-            if per_sm <= 0:
-                continue
-            where = "registers" if in_regs else "shared memory"
-            notes = (f"{'row' if size == 1 else f'row split over a cluster of {size} blocks'}: "
-                     f"x and dy {'double' if two else 'single'}-buffered in shared memory, "
-                     f"{col_sums} column sums in {where} ({smem} bytes per block, {per_sm} "
-                     f"resident per SM)",)
-            return _replace(plan, grid=device.sms * per_sm // size * size, notes=notes)
-        return None
+            if per_sm > 0:
+                found.append((plan, per_sm, two))
+        if not found:
+            return None
+        pick = next((f for f in found if f[1] >= 2), None) or \
+            next((f for f in found if f[2]), None) or found[0]
+        plan, per_sm, two = pick
+        where = "registers" if plan.sums_in_registers else "shared memory"
+        notes = (f"{'row' if size == 1 else f'row split over a cluster of {size} blocks'}: "
+                 f"x and dy {'double' if two else 'single'}-buffered in shared memory, "
+                 f"{col_sums} column sums in {where} ({plan.smem_bytes} bytes per block, "
+                 f"{per_sm} resident per SM)",)
+        groups = device.sms * per_sm // size
+        fit = getattr(occ, "max_clusters", None)  # GPC sizes can leave fewer clusters room
+        if size > 1 and fit is not None:
+            groups = min(groups, fit(plan) or groups)
+        return _replace(plan, grid=groups * size, notes=notes)
 
     plan = attempt(Variant.BLOCK_SMEM, 1, 1024)
     if plan is not None:
@@ -456,13 +482,16 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
                                block=(width, WARP_BLOCK_THREADS // width), smem_bytes=0,
                                **base).name_expression())
         no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
-        for threads in (128,) + BLOCK_SIZES:
+        regs = (False, True) if info.col_sums and extra[:1] == ("true",) else (False,)
+        for threads, r in itertools.product((128,) + BLOCK_SIZES, regs):
             names.add(Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), smem_bytes=0,
-                           **no_warp, **base).name_expression())
+                           sums_in_registers=r, **no_warp, **base).name_expression())
         names.add(Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), smem_bytes=0,
                        **no_warp, **base).name_expression())
         if device.has_clusters and not strided:
-            for size, threads in itertools.product(CLUSTER_SIZES, (128, 256, CLUSTER_MAX_BLOCK)):
+            for size, threads, r in itertools.product(CLUSTER_SIZES,
+                                                      (128, 256, CLUSTER_MAX_BLOCK), regs):
                 names.add(Plan(variant=Variant.CLUSTER, block=(threads, 1), smem_bytes=0,
-                               cluster=size, **no_warp, **base).name_expression())
+                               cluster=size, sums_in_registers=r, **no_warp,
+                               **base).name_expression())
     return names

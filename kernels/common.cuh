@@ -289,6 +289,20 @@ template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const v
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
+// Closes the group of copies issued since the last commit; wait_group<N> waits until at most
+// the N most recent groups are still in flight.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// The dynamic shared memory this launch was given.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Reductions.

@@ -305,63 +305,76 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
   }
 }
 
-// Block kernel with the row cached in shared memory (cols values of T). One row per block at a
-// time, grid-stride over rows; any block size that is a multiple of 32. Each thread sums the
-// packs it caches, then takes the exact squared deviations of those same cached values from
-// their own mean (no barrier: it reads back only what it wrote), and one block reduction merges
-// the threads' (count, mean, M2) with Chan's formula; then y from the cache. (A running Welford
-// merge in the load loop measured 20-25% slower: its dependent chain holds back the next loads.)
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL>
-__global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP;
+// The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of every
+// `step`-th row from row0, the slice (`slice` values) cached in shared memory. Each thread sums
+// the packs it caches, then takes the exact squared deviations of those same cached values
+// from their own mean (no barrier: it reads back only what it wrote); `reduce` merges the
+// threads' (count, mean, M2) (or the RMS sums) across the block or cluster with Chan's
+// formula; then y from the cache. (A running Welford merge in the load loop measured 20-25%
+// slower: its dependent chain holds back the next loads.) Without a residual, the slice
+// reaches shared memory by asynchronous copies: all of a thread's packs in flight at once (the
+// compiler otherwise may issue them one at a time). (Double-buffering rows on a grid of one
+// wave, as the backward does, measured slower here than OneFlow's 32 waves of blocks.)
+template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, int PACK, typename T, typename C,
+          typename Ld, typename St, typename Reduce>
+__device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x, i64 sx,
+                                          C* mean, C* rstd, C eps, i64 row0, i64 rows, i64 step,
+                                          int cols, int p0, int p1, bool writer, Reduce reduce) {
   extern __shared__ uint4 smem_words[];
   const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
-  const int num_packs = cols / PACK;
-  // Without a residual, the row goes to shared memory by asynchronous copies: all of a
-  // thread's packs in flight at once (the compiler otherwise may issue them one at a time).
   constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K
+  for (i64 row = row0; row < rows; row += step) {
+    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K, the same in every block
     C s = C(0);
     if constexpr (ASYNC) {
       const T* src = x + row * sx;
-      for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
-        cp_async<PACK * sizeof(T)>(cache.base + p * PACK, src + p * PACK);
+      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+        cp_async<PACK * sizeof(T)>(cache.base + (p - p0) * PACK, src + p * PACK);
       }
       cp_async_wait_all();
-      for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
+      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
         C v[PACK];
-        cache.get(p, v);
+        cache.get(p - p0, v);
 #pragma unroll
         for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
       }
     } else {
-      scan_packs<C, PACK, PACK, 4>(ld, row, 0, num_packs, [&](int p, const C* v) {
-        cache.put(p, v);
+      scan_packs<C, PACK, PACK, 4>(ld, row, p0, p1, [&](int p, const C* v) {
+        cache.put(p - p0, v);
 #pragma unroll
         for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
       });
     }
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
-      const Welford<C> w = allreduce_block(
-          own_deviations<TWO_STEP, PACK>(cache, s, k, 0, num_packs), phase);
+      const Welford<C> w = reduce(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1));
       m = w.mean;
       var = w.m2 / C(cols);
     } else {
-      var = block_sum(s, phase) / C(cols);
+      var = reduce(Sums<C, 1>{{s}}).v[0] / C(cols);
     }
     const C rs = Math<C>::rsqrt(var + eps);
-    if (threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
+    if (writer && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
     const Centre<C, TWO_STEP> at{k, m};
-    for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       C v[PACK];
-      cache.get(p, v);
+      cache.get(p - p0, v);
 #pragma unroll
       for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
       st.template store<PACK>(v, row, p * PACK);
     }
   }
+}
+
+// Block kernel with the row cached in shared memory (cols values of T; see norm_rows).
+// Grid-stride over rows; any block size that is a multiple of 32.
+template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL>
+__global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
+  CUKERN_NORM_FWD_SETUP;
+  auto reduce = [&](const auto& v) { return allreduce_block(v, phase); };
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, PACK>(ld, st, x, sx, mean, rstd, eps, blockIdx.x,
+                                                   rows, gridDim.x, cols, 0, cols / PACK, true,
+                                                   reduce);
 }
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
@@ -407,60 +420,23 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-// A cluster of CLUSTER blocks per row (sm_90): each block caches a slice of the row, computes its
-// slice's exact (count, mean, M2) and the cluster merges them in distributed shared memory.
+// A cluster of CLUSTER blocks per row (sm_90): each block caches a slice of the row (see
+// norm_rows), and the blocks' statistics meet in distributed shared memory.
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
-  extern __shared__ uint4 smem_words[];
-  const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
   const unsigned rank = cluster_rank();
+  const int num_packs = cols / PACK;
   int p0, p1;
-  cluster_pack_range(cols / PACK, CLUSTER, rank, p0, p1);
-  const i64 clusters = gridDim.x / CLUSTER;
-  for (i64 row = blockIdx.x / CLUSTER; row < rows; row += clusters) {
-    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K, the same in every block
-    C s = C(0);
-    if constexpr (!RESIDUAL && PACK * sizeof(T) >= 4) {  // as in layer_norm_block_smem
-      const T* src = x + row * sx;
-      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-        cp_async<PACK * sizeof(T)>(cache.base + (p - p0) * PACK, src + p * PACK);
-      }
-      cp_async_wait_all();
-      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-        C v[PACK];
-        cache.get(p - p0, v);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
-      }
-    } else {
-      scan_packs<C, PACK, PACK, 4>(ld, row, p0, p1, [&](int p, const C* v) {
-        cache.put(p - p0, v);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
-      });
-    }
-    C m = C(0), var;  // m: the mean of x - K
-    if (ALGO == kLayerNorm) {  // as in layer_norm_block_smem, then across the cluster
-      const Welford<C> w = allreduce_cluster<CLUSTER>(
-          allreduce_block(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1), phase));
-      m = w.mean;
-      var = w.m2 / C(cols);
-    } else {
-      var = allreduce_cluster<CLUSTER>(Sums<C, 1>{{block_sum(s, phase)}}).v[0] / C(cols);
-    }
-    const C rs = Math<C>::rsqrt(var + eps);
-    if (rank == 0 && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
-    const Centre<C, TWO_STEP> at{k, m};
-    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-      C v[PACK];
-      cache.get(p - p0, v);
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
-      st.template store<PACK>(v, row, p * PACK);
-    }
-  }
+  cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
+  auto reduce = [&](const auto& v) {
+    return allreduce_cluster<CLUSTER>(allreduce_block(v, phase));
+  };
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, PACK>(ld, st, x, sx, mean, rstd, eps,
+                                                   blockIdx.x / CLUSTER, rows,
+                                                   gridDim.x / CLUSTER, cols, p0, p1, rank == 0,
+                                                   reduce);
 }
 #endif
 
@@ -712,18 +688,6 @@ __device__ __forceinline__ void grad_fold(const ScaleLoad<T, C, WEIGHT>& sl,
   }
 }
 
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ unsigned dynamic_smem_bytes() {
-  unsigned n;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-  return n;
-}
-
 // The rows loop of the cached backward kernels (block and cluster), over packs [p0, p1) of
 // each row: pass 1 (row sums, column sums), the row sums' all-reduce (`reduce`), then dx from
 // the cache. With packs of at least 4 bytes, x and dy reach the cache by asynchronous copies,
@@ -841,11 +805,11 @@ __device__ __forceinline__ void store_reg_sums(const RegSums<C, PACK>& regs, C* 
 
 // A cached backward kernel's work on slice [p0, p1) (`slice` values, cols for the block kernel)
 // of every `step`-th row from row0, given the dynamic shared memory: one or two buffers of the
-// slice of x and dy (two when there is room: see grad_rows), then, with WEIGHT and a slice too
-// long for register sums (RegSums::fits), NACC ColSums of the slice; the column sums end in
+// slice of x and dy (two when there is room: see grad_rows), then, with WEIGHT and not REGS,
+// NACC ColSums of the slice (REGS: the sums in registers, RegSums); the column sums end in
 // partial row `prow_index` of dw (and db).
-template <bool LAYER, bool WEIGHT, int PACK, int NSUM, int NACC, typename T, typename C,
-          typename Reduce>
+template <bool LAYER, bool WEIGHT, bool REGS, int PACK, int NSUM, int NACC, typename T,
+          typename C, typename Reduce>
 __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
                                             const ScaleLoad<T, C, WEIGHT>& sl,
                                             const Store<C, T, false>& st, const C* mean,
@@ -855,7 +819,8 @@ __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
   extern __shared__ uint4 smem_words[];
   T* const base = reinterpret_cast<T*>(smem_words);
   const int slice_packs = slice / PACK;
-  const bool in_regs = WEIGHT && RegSums<C, PACK>::fits(slice_packs);
+  constexpr bool in_regs = WEIGHT && REGS;
+  if (in_regs && !RegSums<C, PACK>::fits(slice_packs)) __trap();  // the planner sizes blocks
   const unsigned acc_bytes = WEIGHT && !in_regs ? NACC * slice * sizeof(C) : 0;
   const bool two = dynamic_smem_bytes() >= 4u * slice * sizeof(T) + acc_bytes;
   C* const acc = reinterpret_cast<C*>(base + (two ? 4 : 2) * static_cast<i64>(slice));
@@ -865,7 +830,7 @@ __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
   if (!WEIGHT) {
     grad_rows<LAYER, false, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
                                                rstd, row0, rows, step, cols, p0, p1, reduce);
-  } else if (in_regs) {
+  } else if constexpr (in_regs) {
     regs.zero();
     grad_rows<LAYER, true, true, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
                                              rstd, row0, rows, step, cols, p0, p1, reduce);
@@ -884,13 +849,13 @@ __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
   }
 }
 
-template <typename T, int ALGO, int PACK, bool WEIGHT>
+template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS>
 __global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
   auto reduce = [&](const Sums<C, NSUM>& s) { return allreduce_block(s, phase); };
-  grad_cached<LAYER, WEIGHT, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x,
-                                               rows, gridDim.x, cols, cols, 0, cols / PACK,
-                                               blockIdx.x, reduce);
+  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
+                                                     blockIdx.x, rows, gridDim.x, cols, cols, 0,
+                                                     cols / PACK, blockIdx.x, reduce);
 }
 
 // No cache: x and dy are read twice. dx only: with WEIGHT, g = dy * gamma, and dgamma/dbeta
@@ -924,7 +889,7 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NO
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // Each block of the cluster caches its slice of the row (see grad_cached); the cluster's
 // partial row of column sums is written by its blocks, a slice each.
-template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT>
+template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
@@ -935,10 +900,10 @@ layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   auto reduce = [&](const Sums<C, NSUM>& s) {
     return allreduce_cluster<CLUSTER>(allreduce_block(s, phase));
   };
-  grad_cached<LAYER, WEIGHT, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
-                                               blockIdx.x / CLUSTER, rows, gridDim.x / CLUSTER,
-                                               cols, slice, p0, p1, blockIdx.x / CLUSTER,
-                                               reduce);
+  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
+                                                     blockIdx.x / CLUSTER, rows,
+                                                     gridDim.x / CLUSTER, cols, slice, p0, p1,
+                                                     blockIdx.x / CLUSTER, reduce);
 }
 #endif
 

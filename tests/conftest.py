@@ -85,27 +85,38 @@ def warm_kernels():
 
 
 def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
-    """(threads, smem_bytes) of one block of a backward with column sums (dweight, dbias) over
-    a slice of a row of ``cols`` split in ``size`` blocks, by the rule documented in
-    ``_dispatch._plan_col_sums``, or None when the slice does not fit: the sums in registers
-    for slices of at most reg_sum_packs * 1024 packs (the block widened to cover the slice),
-    else in shared memory; x and dy double-buffered where that fits and packs are at least 4
-    bytes."""
+    """(threads, smem_bytes, sums_in_registers) of one block of a backward with column sums
+    (dweight, dbias) over a slice of a row of ``cols`` split in ``size`` blocks, by the rule
+    documented in ``_dispatch._plan_col_sums`` with the device model's occupancy, or None when
+    no way fits: sums in shared memory or (slices of at most reg_sum_packs * 1024 packs, the
+    block widened to cover the slice) in registers, x and dy in two buffers or one; the first
+    of those four ways that keeps two blocks per SM, else the first with two buffers, else the
+    first that fits."""
+    import itertools
+
     from cukern import _dispatch
 
     item = _dispatch.ITEMSIZE[dtype]
     pack = _dispatch.pack_size(dtype, cols, 16, False)
     packs = -(-(cols // pack) // size)
     apt = max(1, (8 if dtype == "float64" else 16) // pack)
-    threads = min(1024 if size == 1 else 512, _dispatch.block_threads_for(packs))
-    in_regs = packs <= apt * 1024
-    if in_regs:
-        while threads < -(-packs // apt):
-            threads *= 2
     csize = 8 if dtype == "float64" else 4
-    sums = 0 if in_regs else _dispatch.OPS[op].col_sums * csize * packs * pack
-    for buffers in ((2, 1) if pack * item >= 4 else (1,)):
-        smem = buffers * 2 * item * packs * pack + sums
-        if smem <= _dispatch.max_dynamic_smem(device):
-            return threads, smem
-    return None
+    found = []
+    for in_regs, two in itertools.product((False, True), (True, False)):
+        if (two and pack * item < 4) or (in_regs and packs > apt * 1024):
+            continue
+        threads = min(1024 if size == 1 else 512, _dispatch.block_threads_for(packs))
+        while in_regs and threads < min(1024, -(-packs // apt)):
+            threads *= 2
+        sums = 0 if in_regs else _dispatch.OPS[op].col_sums * csize * packs * pack
+        smem = (2 if two else 1) * 2 * item * packs * pack + sums
+        if smem > _dispatch.max_dynamic_smem(device):
+            continue
+        per_sm = device.model_occupancy(threads, smem)
+        if per_sm > 0:
+            found.append(((threads, smem, in_regs), per_sm, two))
+    if not found:
+        return None
+    pick = next((f for f in found if f[1] >= 2), None) or \
+        next((f for f in found if f[2]), None) or found[0]
+    return pick[0]

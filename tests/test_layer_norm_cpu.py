@@ -83,9 +83,12 @@ def test_name_expressions():
         "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true>"
     p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, extra=("true",))
     assert p.variant is Variant.CLUSTER
-    assert p.name_expression() == f"cukern::layer_norm_grad_cluster<float, 0, 4, {p.cluster}, true>"
+    regs = "true" if p.sums_in_registers else "false"
+    assert p.name_expression() == \
+        f"cukern::layer_norm_grad_cluster<float, 0, 4, {p.cluster}, true, {regs}>"
+    # the last argument: whether the column sums live in registers (never without a weight)
     p = plan_rowwise("rms_norm_backward", 8, 3000, "float64", A100)
-    assert p.name_expression() == "cukern::layer_norm_grad_block_smem<double, 1, 2, false>"
+    assert p.name_expression() == "cukern::layer_norm_grad_block_smem<double, 1, 2, false, false>"
     # the default extra is the first listed: no weight, no bias, no residual
     assert plan_rowwise("layer_norm", 4, 64, "float32", H100).extra == ("false",) * 3
     assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).extra == ("false",)
@@ -159,15 +162,56 @@ def test_col_sums_shared_memory(op, dtype):
         if not fits:
             assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
             continue
-        size, (threads, smem) = fits[0]
+        size, (threads, smem, in_regs) = fits[0]
         assert p.variant is (Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER), (cols, p)
-        assert (p.cluster, p.threads, p.smem_bytes) == (size, threads, smem), (cols, p)
+        assert (p.cluster, p.threads, p.smem_bytes, p.sums_in_registers) == \
+            (size, threads, smem, in_regs), (cols, p)
+        assert p.name_expression().endswith(", true, " + ("true>" if in_regs else "false>"))
         per_sm = H100.model_occupancy(threads, smem)
         assert p.grid == min(1000 * size, 132 * per_sm // size * size)
-    # the sums leave shared memory to x and dy: float16 rows of 16384 fit one block,
-    # double-buffered, with 1024 threads holding 2 packs' sums each
+    # short rows: sums in shared memory, x and dy double-buffered, several blocks per SM
+    p = plan_rowwise(op, 1000, 2048, "float16", H100, extra=("true",))
+    sums = OPS[op].col_sums * 4 * 2048
+    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
+        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 2048 + sums, False)
+    # float16 rows of 16384: the sums leave shared memory to x and dy, 1024 threads holding
+    # 2 packs' sums each; the model (threads and shared memory) sees room for two such blocks
+    # per SM, so one buffer. (A live device's occupancy counts registers too: one block, and
+    # then two buffers.)
     p = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
-    assert (p.variant, p.threads, p.smem_bytes) == (Variant.BLOCK_SMEM, 1024, 4 * 2 * 16384)
+    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
+        (Variant.BLOCK_SMEM, 1024, 2 * 2 * 16384, True)
+    one_per_sm = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1,
+                              extra=("true",))
+    # two buffers of x and dy; beside them, RMS norm's one row of sums still fits, layer
+    # norm's two do not
+    rms = op == "rms_norm_backward"
+    assert (one_per_sm.smem_bytes, one_per_sm.sums_in_registers) == \
+        (4 * 2 * 16384 + (4 * 16384 if rms else 0), not rms)
+
+
+@pytest.mark.parametrize("op", BWD)
+def test_col_sums_leave_the_warp_kernel_past_512(op):
+    # the warp kernel would hold the column sums in registers too: blocks from 513 columns
+    assert plan_rowwise(op, 10**5, 512, "float16", H100, extra=("true",)).variant is Variant.WARP
+    for cols in (513, 1024):
+        p = plan_rowwise(op, 10**5, cols, "float16", H100, extra=("true",))
+        assert p.variant is Variant.BLOCK_SMEM, p
+    assert plan_rowwise(op, 10**5, 1024, "float16", H100).variant is Variant.WARP
+
+
+def test_col_sums_clusters_fit_the_gpu():
+    """The one-wave grid of a cluster plan has no more clusters than the driver says fit at
+    once (GPC sizes), else a second, nearly empty wave would double the time."""
+    def occ(plan):
+        return H100.model_occupancy(plan.threads, plan.smem_bytes)
+
+    occ.max_clusters = lambda plan: 7
+    p = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", H100, occ, extra=("true",))
+    assert p.variant is Variant.CLUSTER and p.grid == 7 * p.cluster
+    occ.max_clusters = lambda plan: None  # the driver cannot say: SMs x blocks per SM / size
+    q = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", H100, occ, extra=("true",))
+    assert q.grid == 132 * occ(q) // q.cluster * q.cluster
 
 
 def test_forward_smem_ignores_weight():
@@ -186,7 +230,7 @@ def test_backward_with_weight_uses_one_wave_of_blocks():
     assert p.grid == 1  # never more blocks than rows need
     p = plan_rowwise("rms_norm_backward", 4096, 4096, "float16", H100, extra=("true",))
     assert p.variant is Variant.BLOCK_SMEM
-    assert p.smem_bytes == 2 * 2 * 4096 * 2  # x and dy, two buffers; the sums in registers
+    assert p.smem_bytes == 2 * 2 * 4096 * 2 + 4096 * 4  # x and dy twice, the sums
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.grid == 132 * per_sm
     p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", H100, extra=("true",))

@@ -73,7 +73,8 @@ def col_sums_shapes(op, dtype):
     """(shape, expected variant) for a backward with a weight on this device: every way its
     column sums are planned (registers or shared memory, one or two buffers, block or cluster,
     packs of one element), by conftest.col_sums_expected."""
-    shapes = [((1, 1), Variant.WARP), ((7, 33), Variant.WARP), ((5, 1024), Variant.WARP)]
+    shapes = [((1, 1), Variant.WARP), ((7, 33), Variant.WARP), ((5, 512), Variant.WARP),
+              ((5, 513), Variant.BLOCK_SMEM), ((5, 1024), Variant.BLOCK_SMEM)]
     sizes = [1] + (list(CLUSTER_SIZES) if spec().has_clusters else [])
     for cols in (1025, 2048, 5001, 16384, 18000, 20001, 36000, 70000, 10**5 + 3, 160000,
                  300000):
@@ -377,6 +378,22 @@ def test_backward_every_variant(op, dtype, weight, rng):
         assert plan.extra == (("true",) if weight else ("false",))
         if variant is not None:
             assert plan.variant is variant, (shape, plan)
+
+
+def test_max_active_clusters():
+    """The driver's count of co-resident clusters sizes the backward's one-wave cluster grid."""
+    if not spec().has_clusters:
+        pytest.skip("needs thread-block clusters (sm_90)")
+    from cukern._dispatch import plan_rowwise
+    from cukern.ops import _common
+
+    occ = _common.driver_occupancy(0)
+    plan = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", spec(), occ,
+                        extra=("true",))
+    assert plan.variant is Variant.CLUSTER
+    n = occ.max_clusters(plan)
+    assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
+    assert plan.grid == n * plan.cluster
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

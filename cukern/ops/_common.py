@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import numpy as np
 
 try:
@@ -206,7 +209,9 @@ def device_spec(device_id: int) -> _device.DeviceSpec:
 
 
 def driver_occupancy(device_id: int):
-    """Occupancy from the CUDA driver for the compiled candidate kernel."""
+    """Occupancy from the CUDA driver for the compiled candidate kernel: blocks per SM, and
+    (``occ.max_clusters``) how many clusters of a cluster plan fit on the GPU at once, which
+    the GPCs' sizes can make fewer than SMs x blocks per SM / cluster size."""
     from cupy_backends.cuda.api import driver
 
     def occ(plan: _dispatch.Plan) -> int:
@@ -216,7 +221,47 @@ def driver_occupancy(device_id: int):
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kern.kernel.ptr, plan.threads, plan.smem_bytes)
 
+    def max_clusters(plan: _dispatch.Plan) -> int | None:
+        return _max_active_clusters(kernel(plan, device_id), plan)
+
+    occ.max_clusters = max_clusters
     return occ
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _cu_max_active_clusters():
+    """The driver's cuOccupancyMaxActiveClusters (CUDA 12+), or None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    return fn
+
+
+def _max_active_clusters(kern, plan: _dispatch.Plan) -> int | None:
+    """Clusters of ``plan`` (its cluster size compiled into the kernel) resident at once, or
+    None when the driver cannot say."""
+    fn = _cu_max_active_clusters()
+    if fn is None or plan.cluster <= 1:
+        return None
+    config = _LaunchConfig(gridDimX=plan.cluster * 64, gridDimY=1, gridDimZ=1,
+                           blockDimX=plan.block[0], blockDimY=plan.block[1], blockDimZ=1,
+                           sharedMemBytes=plan.smem_bytes)
+    n = ctypes.c_int(0)
+    if fn(ctypes.byref(n), ctypes.c_void_p(kern.kernel.ptr), ctypes.byref(config)) != 0:
+        return None
+    return n.value if n.value > 0 else None
 
 
 def kernel(plan: _dispatch.Plan, device_id: int):
