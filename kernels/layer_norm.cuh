@@ -305,6 +305,21 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
   }
 }
 
+// All-reduces of a state over the block, or the cluster, for norm_rows (generic lambdas would
+// do, but NVRTC compiles their call operator as host code when many kernels share a program).
+struct BlockReduce {
+  unsigned phase = 0;  // allreduce_block's buffer phase
+  template <typename S> __device__ __forceinline__ S operator()(const S& v) {
+    return allreduce_block(v, phase);
+  }
+};
+template <int CLUSTER> struct ClusterReduce {
+  unsigned phase = 0;
+  template <typename S> __device__ __forceinline__ S operator()(const S& v) {
+    return allreduce_cluster<CLUSTER>(allreduce_block(v, phase));
+  }
+};
+
 // The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of every
 // `step`-th row from row0, the slice (`slice` values) cached in shared memory. Each thread sums
 // the packs it caches, then takes the exact squared deviations of those same cached values
@@ -371,7 +386,7 @@ __device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x
 template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
-  auto reduce = [&](const auto& v) { return allreduce_block(v, phase); };
+  BlockReduce reduce;
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, PACK>(ld, st, x, sx, mean, rstd, eps, blockIdx.x,
                                                    rows, gridDim.x, cols, 0, cols / PACK, true,
                                                    reduce);
@@ -430,9 +445,7 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   const int num_packs = cols / PACK;
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
-  auto reduce = [&](const auto& v) {
-    return allreduce_cluster<CLUSTER>(allreduce_block(v, phase));
-  };
+  ClusterReduce<CLUSTER> reduce;
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, PACK>(ld, st, x, sx, mean, rstd, eps,
                                                    blockIdx.x / CLUSTER, rows,
                                                    gridDim.x / CLUSTER, cols, p0, p1, rank == 0,
