@@ -179,6 +179,51 @@ def test_forward_every_variant_and_switch(op, dtype, rng):
                 assert plan.variant is variant, (shape, plan)
 
 
+def test_repeated_calls_take_the_fast_path(rng, monkeypatch):
+    """A call matching an earlier validated one skips validation and planning: same results,
+    fresh outputs; anything that differs (dtypes, eps's type, layouts) is checked again."""
+    monkeypatch.setattr(ln_mod, "_fresh", {})
+    x = cp.asarray(make((64, 3000), "float16", rng))
+    w = cp.asarray(make(3000, "float16", rng, 1.0, 1.0))
+    b = cp.asarray(make(3000, "float16", rng))
+    first = cukern.layer_norm(x, 3000, w, b)
+    assert len(ln_mod._fresh) == 1
+    again = cukern.layer_norm(x, 3000, w, b)
+    assert len(ln_mod._fresh) == 1
+    for a, c in zip(first, again):
+        assert a.data.ptr != c.data.ptr
+        np.testing.assert_array_equal(host(a), host(c))
+    y, rstd = cukern.rms_norm(x, (3000,), w, return_stats=True)
+    y2, rstd2 = cukern.rms_norm(x, (3000,), w)
+    np.testing.assert_array_equal(host(y), host(y2))
+    with pytest.raises(TypeError, match="eps"):
+        cukern.layer_norm(x, 3000, w, b, eps=True)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        cukern.layer_norm(x, True, w, b)
+    with pytest.raises(TypeError, match="weight"):
+        cukern.layer_norm(x, 3000, w.astype(cp.float32), b)
+    # a weight that needs a contiguous copy is never cached, and still right
+    wide = cp.asarray(make(6000, "float16", rng, 1.0, 1.0))
+    before = len(ln_mod._fresh)
+    check = cukern.layer_norm(x, 3000, wide[::2], b)[0]
+    assert len(ln_mod._fresh) == before
+    ref = cukern.layer_norm(x, 3000, cp.ascontiguousarray(wide[::2]), b)[0]
+    np.testing.assert_array_equal(host(check), host(ref))
+    assert len(ln_mod._fresh) == before  # the strided weight added no entry
+    # backward: the same gradients twice
+    dy = cp.asarray(make((64, 3000), "float16", rng))
+    _, mean, rstd = first
+    g1 = cukern.layer_norm_backward(dy, x, mean, rstd, w)
+    g2 = cukern.layer_norm_backward(dy, x, mean, rstd, w)
+    for a, c in zip(g1, g2):
+        np.testing.assert_array_equal(host(a), host(c))
+    ref = reference.layer_norm_backward(host(dy), host(x), host(mean), host(rstd), host(w))
+    for got, r in zip(g2, ref):
+        assert rel_err(got, r) <= TOL["float16"]
+    with pytest.raises(TypeError, match="rstd"):
+        cukern.layer_norm_backward(dy, x, mean, rstd.astype(cp.float64), w)
+
+
 def test_forward_return_forms(rng):
     x = cp.asarray(make((6, 40), "float32", rng))
     r = cp.asarray(make((6, 40), "float32", rng))
@@ -202,6 +247,7 @@ def test_forward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
 
     monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
     monkeypatch.setattr(ln_mod, "_launches", {})
+    monkeypatch.setattr(ln_mod, "_fresh", {})
     for shape in [(3, 1025), (5, 4097), (2, 20000)]:
         for weight, bias, residual in combos(op):
             x = make(shape, dtype, rng)
@@ -233,6 +279,7 @@ def test_constant_rows(op, dtype, rng, monkeypatch):
 
             monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
             monkeypatch.setattr(ln_mod, "_launches", {})
+            monkeypatch.setattr(ln_mod, "_fresh", {})
         for cols in (_variant_cases(op, dtype) if not uncached else [3000]):
             c = rng.standard_normal((5, 1)) * 10
             x = np.broadcast_to(c, (5, cols)).astype(np_dtype(dtype))
@@ -258,6 +305,7 @@ def test_large_offsets(op, rng, monkeypatch):
 
             monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
             monkeypatch.setattr(ln_mod, "_launches", {})
+            monkeypatch.setattr(ln_mod, "_fresh", {})
         for cols in (_variant_cases(op, "float32") if not uncached else [3000, 70000]):
             x = (1e4 + rng.standard_normal((6, cols)) * 0.5).astype(np.float32)
             w = make(cols, "float32", rng, 1.0, 1.0)
@@ -403,6 +451,7 @@ def test_backward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
 
     monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
     monkeypatch.setattr(ln_mod, "_launches", {})
+    monkeypatch.setattr(ln_mod, "_fresh", {})
     for shape in [(3, 1025), (5, 4097), (40, 20000)]:
         for weight in (False, True):
             x = make(shape, dtype, rng)
