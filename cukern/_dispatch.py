@@ -15,7 +15,10 @@ section 2), with three departures, each measured in ``benchmarks/``:
   The uncached kernel (which reads the row twice) is left for rows no cluster can hold;
 * the block kernel's width is capped so each thread gets at least PACKS_PER_THREAD packs
   (OneFlow's rule alone takes 1024 threads whenever occupancy allows, and short rows then leave
-  most threads idle: 22% of copy against 92% for 2048 halves on the H100).
+  most threads idle: 22% of copy against 92% for 2048 halves on the H100);
+* a backward that also sums over rows (the norms' dweight, dbias) runs one wave of blocks that
+  each loop over rows, with its own rules for where the sums live and whether rows are
+  double-buffered (``_plan_col_sums``), and leaves the warp kernel past 512 columns.
 """
 
 from __future__ import annotations
