@@ -4,15 +4,17 @@ Nothing here touches a GPU. Occupancy is a function passed in: the CUDA driver's
 compiled kernel on a live device, or :meth:`DeviceSpec.model_occupancy` for a preset.
 
 The cascade follows OneFlow's tuned softmax (the thresholds and shapes are theirs; DESIGN.md
-section 2), with three departures, each measured in ``benchmarks/``:
+section 2), with these departures, each measured in ``benchmarks/``:
 
 * vector width: up to 16 bytes per access (8 halves, 4 floats, 2 doubles) where ``cols``, the
   pointers and the row strides allow, instead of OneFlow's 2 elements;
 * the block kernel caches the row in its storage type (not float) and opts in to the device's
   full shared memory per block (227 KiB on Hopper) instead of 48 KiB;
 * rows too long for one block's shared memory are split over a thread-block cluster (Hopper):
-  each block keeps a slice on chip and the partial reductions meet in distributed shared memory.
-  The uncached kernel (which reads the row twice) is left for rows no cluster can hold;
+  each block keeps a slice on chip and the partial reductions meet in distributed shared memory
+  (cluster and block sizes: ``_plan_cluster``). The uncached kernel (which reads the row twice)
+  is left for rows no cluster can hold;
+* the warp kernel takes one row per access on short grids (SHORT_GRID_WAVES);
 * the block kernel's width is capped so each thread gets at least PACKS_PER_THREAD packs
   (OneFlow's rule alone takes 1024 threads whenever occupancy allows, and short rows then leave
   most threads idle: 22% of copy against 92% for 2048 halves on the H100);
@@ -39,8 +41,14 @@ BLOCK_SIZES = (1024, 512, 256)  # tried, largest first, against the 128-thread o
 UNCACHED_BLOCK = 1024
 CLUSTER_SIZES = (2, 4, 8)  # portable cluster sizes
 PACKS_PER_THREAD = 2  # the fewest packs per thread worth a wider block (measured, H100)
-CLUSTER_MAX_BLOCK = 512  # wider cluster blocks measured slower (their barriers cost more)
+CLUSTER_MAX_BLOCK = 512  # a backward with column sums: wider cluster blocks measured slower
+CLUSTER_SHARED = (256, 512)  # blocks that may share an SM in a cluster plan (_plan_cluster)
+CLUSTER_BLOCKS = (1024, 512, 256)  # else the widest of these that launches
 WAVES = 32  # OneFlow's GetNumBlocks: at most 32 waves of resident threads
+# The warp kernel takes one row per access (not OneFlow's two) when that grid is at most this
+# many waves of resident blocks: 95-97% of copy against 93-95% for float16 and bfloat16 at
+# rows 49152, cols 32-128, on the H100; far more rows keep OneFlow's two.
+SHORT_GRID_WAVES = 4
 STATIC_SMEM = 2048  # kept back from the opt-in limit for static shared memory (up to 1.6 KiB)
 
 
@@ -74,10 +82,16 @@ class OpInfo:
     col_sums: int = 0
     # Other kernels the op launches: "{t}" the C++ type, "{algo}" ALGO, "{pack}" a pack size.
     aux_kernels: tuple[str, ...] = ()
+    # Cluster plans (_plan_cluster): the resident threads per SM worth a larger cluster, and
+    # whether a block's rows overlap (its writes of one row with its reads of the next: then
+    # the grid is one wave of clusters looping over rows; else OneFlow's waves of them).
+    cluster_threads_per_sm: int = 512
+    rows_overlap: bool = True
 
 
 _TF = ("false", "true")
-_NORM = {"runtime_shape": True, "strided": False}
+_NORM = {"runtime_shape": True, "strided": False, "cluster_threads_per_sm": 1536,
+         "rows_overlap": False}
 _PARAM_REDUCE = ("cukern::norm_param_grad_reduce<{t}>",
                  "cukern::norm_param_grad_partial<{t}, {algo}, {pack}>")
 
@@ -290,7 +304,6 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
     # of one wave of resident blocks, since every block writes one partial row of them.
     col_sums = info.col_sums if extra[:1] == ("true",) else 0
     smem_per_col = item * info.inputs + col_sums * (8 if dtype == "float64" else 4)
-    waves = 1 if col_sums else WAVES
 
     def grid_for(plan: Plan, needed: int) -> int:
         if col_sums and plan.variant is not Variant.BLOCK_UNCACHED:
@@ -303,6 +316,9 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
     if cols <= (WARP_MAX_COLS_WITH_SUMS if col_sums else WARP_MAX_COLS):
         width, cpt, rpa, padding = warp_shape(cols, pack, rows, pow2=info.runtime_shape)
         block = (width, WARP_BLOCK_THREADS // width)
+        resident = device.sms * (device.max_threads_per_sm // WARP_BLOCK_THREADS)
+        if rpa == 2 and -(-rows // block[1]) <= SHORT_GRID_WAVES * resident:
+            rpa = 1  # a short grid: each thread's chain of loads, shuffles and stores is the time
         groups = -(-rows // rpa)
         plan = Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
                     rows_per_access=rpa, padding=padding, block=block, grid=1, smem_bytes=0,
@@ -335,30 +351,70 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         return _replace(plan, grid=grid_for(plan, rows))
 
     if device.has_clusters and not strided:
-        # The smallest cluster whose slices fit: every extra block adds to the cost of the
-        # cluster-wide reduction, which sits on each row's critical path.
-        num_packs = cols // pack
-        for size in CLUSTER_SIZES:
-            slice_packs = -(-num_packs // size)
-            slice_smem = slice_packs * pack * smem_per_col
-            if slice_smem > smem_limit:
-                continue
-            threads = min(CLUSTER_MAX_BLOCK, block_threads_for(slice_packs))
-            while True:  # narrower blocks where registers leave no room for a wider one
-                cand = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size,
-                            smem_bytes=slice_smem, cluster=size, **no_warp, **base)
-                per_sm = occ(cand)
-                if per_sm > 0 or threads <= 128:
-                    break
-                threads //= 2
-            if per_sm <= 0:
-                continue
-            clusters = max(1, min(rows, device.sms * per_sm // size * waves))
-            notes = (f"row split over a cluster of {size} blocks, {slice_smem} bytes of shared "
-                     f"memory each, {per_sm} resident per SM",)
-            return _replace(cand, grid=clusters * size, notes=notes)
+        plan = _plan_cluster(base, no_warp, cols, pack, smem_per_col, device, occ, rows)
+        if plan is not None:
+            return plan
 
     return _uncached(base, no_warp, col_sums, device, rows)
+
+
+def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col: int,
+                  device: DeviceSpec, occ: Occupancy, rows: int) -> Plan | None:
+    """A row too long for one block's shared memory, split over a thread-block cluster.
+
+    Each block of a cluster reads its slice into shared memory, the row's reductions meet in
+    distributed shared memory, and the block writes its slice out: its reads and its writes
+    take turns, with cluster-wide barriers between them. What keeps memory busy is other
+    blocks on the same SM in other phases, so, measured on the H100 (``benchmarks/``):
+
+    1. the smallest cluster and the narrowest block (CLUSTER_SHARED) that keep two or more
+       blocks and the op's ``cluster_threads_per_sm`` threads resident on an SM. Softmax
+       needs 512 (float16 at 131072 columns: 4 blocks of 64 KiB, 3 of 256 threads per SM,
+       92% of copy, against 74% for 2 blocks of 128 KiB, 1 of 512 threads per SM); the norms,
+       whose blocks make three passes over their slice between reads and writes, 1536 (layer
+       norm, same shape: 89% with 3 blocks of 512 threads per SM, 69% with 3 of 256);
+    2. else the smallest cluster that fits, with the widest block that launches (1024
+       threads: the most loads in flight; float32 softmax at 262144 columns, 8 blocks of
+       128 KiB: 91% against 85% with 512 threads).
+
+    The grid: one wave of resident clusters (the driver's count when it gives one), each
+    looping over rows, where the op's blocks overlap rows or only one block fits an SM; else
+    OneFlow's waves of clusters (the norms, 1-4 points faster at 3 blocks per SM).
+    """
+    info = OPS[base["op"]]
+    fits = []
+    for size in CLUSTER_SIZES:
+        slice_packs = -(-(cols // pack) // size)
+        smem = slice_packs * pack * smem_per_col
+        if smem <= max_dynamic_smem(device):
+            fits.append((size, smem))
+
+    def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
+        plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
+                    cluster=size, **no_warp, **base)
+        return plan, occ(plan)
+
+    shared = (cluster(size, smem, threads) for size, smem in fits for threads in CLUSTER_SHARED)
+    choice = next(((p, n) for p, n in shared
+                   if n >= 2 and n * p.threads >= info.cluster_threads_per_sm), None)
+    if choice is None:
+        alone = (cluster(size, smem, threads) for size, smem in fits for threads in CLUSTER_BLOCKS)
+        choice = next(((p, n) for p, n in alone if n > 0), None)
+    if choice is None:
+        return None
+    plan, per_sm = choice
+    size = plan.cluster
+    resident = device.sms * per_sm // size
+    fit = getattr(occ, "max_clusters", None)  # GPC sizes can leave fewer clusters room
+    if fit is not None:
+        resident = min(resident, fit(plan) or resident)
+    if info.rows_overlap or per_sm == 1:
+        clusters, grid_note = resident, f"one wave of {resident} clusters"
+    else:
+        clusters, grid_note = resident * WAVES, f"up to {WAVES} waves of {resident} clusters"
+    notes = (f"row split over a cluster of {size} blocks, {plan.smem_bytes} bytes of shared "
+             f"memory each, {per_sm} resident per SM; {grid_note}",)
+    return _replace(plan, grid=max(1, min(rows, clusters)) * size, notes=notes)
 
 
 def _uncached(base: dict, no_warp: dict, col_sums: int, device: DeviceSpec, rows: int) -> Plan:
@@ -492,8 +548,12 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
         names.add(Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), smem_bytes=0,
                        **no_warp, **base).name_expression())
         if device.has_clusters and not strided:
-            for size, threads, r in itertools.product(CLUSTER_SIZES,
-                                                      (128, 256, CLUSTER_MAX_BLOCK), regs):
+            if len(regs) > 1:  # _plan_col_sums: up to CLUSTER_MAX_BLOCK, wider for register sums
+                shapes = [(t, r) for t in (128, 256, CLUSTER_MAX_BLOCK) for r in regs]
+                shapes.append((1024, True))
+            else:  # _plan_cluster
+                shapes = [(t, False) for t in {*CLUSTER_SHARED, *CLUSTER_BLOCKS}]
+            for size, (threads, r) in itertools.product(CLUSTER_SIZES, shapes):
                 names.add(Plan(variant=Variant.CLUSTER, block=(threads, 1), smem_bytes=0,
                                cluster=size, sums_in_registers=r, **no_warp,
                                **base).name_expression())

@@ -35,6 +35,7 @@ def default_extra(op):
 # ---------------------------------------------------------------------------------------------
 # Planner: the documented rules.
 
+LONG = 2**23  # rows enough for many waves of the warp kernel
 # (cols, rows, dtype) -> (pack, width, cols_per_thread, rows_per_access, padding). The norms'
 # warp kernel holds a power-of-two number of packs per lane, so cols_per_thread rounds up.
 WARP_TABLE = [
@@ -62,7 +63,8 @@ WARP_TABLE = [
 @pytest.mark.parametrize("op", NORM_OPS)
 @pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
 def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
-    p = plan_rowwise(op, rows, cols, dtype, H100)
+    # rows + LONG: the same parity on a grid long enough for OneFlow's rows_per_access rule
+    p = plan_rowwise(op, rows + LONG, cols, dtype, H100)
     assert p.variant is Variant.WARP
     assert (p.pack_size, p.thread_group_width, p.cols_per_thread, p.rows_per_access,
             p.padding) == (pack, width, cpt, rpa, padding)

@@ -24,6 +24,7 @@ ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 # ---------------------------------------------------------------------------------------------
 # Planner: the documented rules, one shape at a time.
 
+LONG = 2**23  # rows enough for many waves of the warp kernel
 # (cols, rows, dtype) -> (pack, width, cols_per_thread, rows_per_access, padding)
 WARP_TABLE = [
     (1, 8, "float32", 1, 1, 1, 2, False),
@@ -49,7 +50,8 @@ WARP_TABLE = [
 @pytest.mark.parametrize("op", FWD + BWD)
 @pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
 def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
-    p = plan_rowwise(op, rows, cols, dtype, H100)
+    # rows + LONG: the same parity on a grid long enough for OneFlow's rows_per_access rule
+    p = plan_rowwise(op, rows + LONG, cols, dtype, H100)
     assert p.variant is Variant.WARP
     assert (p.pack_size, p.thread_group_width, p.cols_per_thread, p.rows_per_access,
             p.padding) == (pack, width, cpt, rpa, padding)
@@ -57,6 +59,17 @@ def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
     # every column is covered exactly once by (pack id, lane)
     assert cpt * width >= cols and (cpt - pack) * width < cols or cols <= pack * width
     assert p.smem_bytes == 0
+
+
+def test_short_grids_take_one_row_per_access():
+    # float16, 32 columns: groups of 4 lanes, 32 a block; one wave is 132 SMs x 16 blocks
+    wave = 132 * (2048 // 128)
+    edge = _dispatch.SHORT_GRID_WAVES * wave * 32  # rows whose one-row grid is exactly 4 waves
+    for op in FWD + BWD:
+        assert plan_rowwise(op, 49152, 32, "float16", H100).rows_per_access == 1
+        assert plan_rowwise(op, edge, 32, "float16", H100).rows_per_access == 1
+        assert plan_rowwise(op, edge + 32, 32, "float16", H100).rows_per_access == 2
+        assert plan_rowwise(op, edge + 33, 32, "float16", H100).rows_per_access == 1  # odd
 
 
 def test_pack_respects_alignment_and_stride():
@@ -99,7 +112,6 @@ def test_block_smem_boundary(op, dtype):
                          H100)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
     assert above.cluster == 2  # the smallest cluster that holds the row
-    assert above.block[0] <= _dispatch.CLUSTER_MAX_BLOCK
     # Ampere has no clusters: the same row is read twice from memory
     a_edge = _smem_boundary(op, dtype, A100)
     assert plan_rowwise(op, 1000, a_edge, dtype, A100).variant is Variant.BLOCK_SMEM
@@ -120,6 +132,40 @@ def test_block_size_follows_occupancy_rule():
 
     p = plan_rowwise("softmax", 4096, 2048, "float32", H100, none)
     assert p.variant is Variant.BLOCK_UNCACHED and p.block == (1024, 1)
+
+
+def test_cluster_rule():
+    """_plan_cluster: the smallest cluster whose blocks of 256 (or 512) threads share an SM
+    two or more at a time with at least the op's resident threads; else the smallest cluster
+    that fits, widest block; one wave of clusters for softmax, OneFlow's waves for the norms."""
+    for op in FWD + BWD:
+        inputs = _dispatch.OPS[op].inputs
+        # 64 KiB slices: 3 blocks of 256 threads per SM (the device model counts no registers)
+        cols = 4 * 32768 // inputs
+        p = plan_rowwise(op, 2**27 // cols, cols, "float16", H100)
+        assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
+            (Variant.CLUSTER, 4, (256, 1), 65536), p
+        assert p.grid == 132 * 3 // 4 * 4  # one wave of clusters, each looping over rows
+        # 1 MiB of cached rows: 8 blocks of 128 KiB, one per SM, of 1024 threads
+        cols = 262144 // inputs
+        p = plan_rowwise(op, 512, cols, "float32", H100)
+        assert (p.cluster, p.block, p.smem_bytes) == (8, (1024, 1), 131072), p
+        assert p.grid == 132 // 8 * 8
+    p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100)
+    assert (p.cluster, p.block, p.smem_bytes) == (4, (512, 1), 65536), p  # 1536 threads an SM
+    assert p.grid == min(1024, 132 * 3 // 4 * _dispatch.WAVES) * 4  # the norms: waves
+
+    # the driver may fit fewer clusters than SMs x blocks per SM / cluster size (GPCs)
+    def occ(plan):
+        return H100.model_occupancy(plan.threads, plan.smem_bytes)
+
+    occ.max_clusters = lambda plan: 90
+    p = plan_rowwise("softmax", 1024, 131072, "float16", H100, occ)
+    assert p.grid == 90 * 4
+    # registers that leave one block of 256 threads an SM: the widest block that launches
+    occ2 = lambda plan: 1 if plan.threads <= 256 else 0  # noqa: E731
+    p = plan_rowwise("softmax", 1024, 131072, "float16", H100, occ2)
+    assert (p.cluster, p.block) == (2, (256, 1)), p
 
 
 def test_cluster_sizes_and_uncached_fallback():

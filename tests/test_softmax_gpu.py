@@ -3,6 +3,8 @@ shapes, properties, strided views, DLPack hand-offs, streams and graphs, and bad
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -340,10 +342,10 @@ def pinned_plans(op, dtype, rows, cols):
     plans.append(replace(template, variant=Variant.BLOCK_UNCACHED, block=(1024, 1),
                          smem_bytes=0))
     if dev.has_clusters:
-        for size in (2, 4, 8):
+        for size, threads in itertools.product((2, 4, 8), (128, 1024)):
             per = -(-(cols // pack) // size)
             plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
-                                 smem_bytes=per * pack * ITEM[dtype] * inputs))
+                                 block=(threads, 1), smem_bytes=per * pack * ITEM[dtype] * inputs))
     return plans
 
 
