@@ -202,13 +202,21 @@ def copy_ms(nbytes: int, reps: int = 30) -> float:
     return time_gpu(run, n_sets, reps)
 
 
+SMALL_BYTES = 64 * 2**20  # arrays up to this size are timed in SMALL_ROUNDS rounds
+SMALL_ROUNDS = 3
+
+
 def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
           rows_fn: Callable[[int], int] | None = None,
           vs: Iterable[str] = ("torch", "jax", "cupyx"),
           progress: Callable[[dict], None] | None = None, reps: int = 30) -> list[dict]:
     """Time ``op`` for each dtype and cols (rows = rows_fn(cols), default 2**27 // cols) for
     cukern, a same-size copy and each available peer. One dict per measurement: op, dtype, rows,
-    cols, peer ('cukern', 'copy', 'torch', ...), ms, gbps, pct_copy."""
+    cols, peer ('cukern', 'copy', 'torch', ...), ms, gbps, pct_copy.
+
+    Arrays up to SMALL_BYTES run in a few microseconds, where a passing slowdown of the GPU
+    moves one median by 5%: the copy and every peer are timed in SMALL_ROUNDS interleaved
+    rounds, and each keeps its best round."""
     import cupy as cp
 
     from ._explain import dtype_name
@@ -217,6 +225,7 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
     reads, writes = _TRAFFIC[op]
     results: list[dict] = []
     copy_cache: dict[int, float] = {}
+    peers = ("cukern", *vs)
     for dt in dtypes:
         name = dtype_name(dt)
         np_dtype = np.dtype(_np_dtype(name))
@@ -224,34 +233,56 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
             rows = rows_fn(cols)
             array_bytes = rows * cols * np_dtype.itemsize
             moved = (reads + writes) * array_bytes
-            if array_bytes not in copy_cache:
-                copy_cache[array_bytes] = copy_ms(array_bytes, reps)
+            rounds = SMALL_ROUNDS if array_bytes <= SMALL_BYTES else 1
+            n_sets = _sets((reads + writes) * array_bytes)
+            xs, dys = _make_inputs(op, rows, cols, np_dtype, n_sets)
+            best: dict[str, float] = {}
+            errors: dict[str, str] = {}
+            made: dict = {}
+            for _ in range(rounds):
+                c_ms = copy_ms(array_bytes, reps)
+                copy_cache[array_bytes] = min(copy_cache.get(array_bytes, c_ms), c_ms)
+                for peer in peers:
+                    if peer in errors:
+                        continue
+                    if rounds == 1:
+                        made.clear()  # one peer's buffers at a time for the large arrays
+                    try:
+                        if peer not in made:
+                            made[peer] = _peer_fns(op, peer, xs, dys)
+                        if made[peer] is None:
+                            continue
+                        ms = made[peer](reps)
+                    except ImportError:
+                        made[peer] = None
+                        continue
+                    except Exception as err:  # a peer that cannot run a shape is reported
+                        errors[peer] = str(err)[:200]
+                        continue
+                    best[peer] = min(best.get(peer, ms), ms)
             c_ms = copy_cache[array_bytes]
             copy_gbps = 2 * array_bytes / c_ms / 1e6
             row = dict(op=op, dtype=name, rows=rows, cols=cols)
             results.append(dict(row, peer="copy", ms=c_ms, gbps=copy_gbps, pct_copy=100.0))
-            n_sets = _sets((reads + writes) * array_bytes)
-            xs, dys = _make_inputs(op, rows, cols, np_dtype, n_sets)
-            for peer in ("cukern", *vs):
-                try:
-                    made = _peer_fns(op, peer, xs, dys)
-                except ImportError:
-                    made = None
-                if made is None:
-                    continue
-                try:
-                    ms = made(reps)
-                except Exception as err:  # a peer that cannot run this shape is reported, not fatal
+            for peer in peers:
+                if peer in errors:
                     results.append(dict(row, peer=peer, ms=float("nan"), gbps=float("nan"),
-                                        pct_copy=float("nan"), error=str(err)[:200]))
-                    continue
-                gbps = moved / ms / 1e6
-                results.append(dict(row, peer=peer, ms=ms, gbps=gbps,
-                                    pct_copy=100.0 * gbps / copy_gbps))
-                if progress:
-                    progress(results[-1])
-            del xs, dys
+                                        pct_copy=float("nan"), error=errors[peer]))
+                elif peer in best:
+                    gbps = moved / best[peer] / 1e6
+                    results.append(dict(row, peer=peer, ms=best[peer], gbps=gbps,
+                                        pct_copy=100.0 * gbps / copy_gbps))
+                    if progress:
+                        progress(results[-1])
+            del xs, dys, made
             cp.get_default_memory_pool().free_all_blocks()
+            if "torch" in vs:
+                try:
+                    import torch
+
+                    torch.cuda.empty_cache()  # its out= buffers, before the next shape
+                except ImportError:
+                    pass
     return results
 
 
