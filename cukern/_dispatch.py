@@ -39,7 +39,9 @@ WARP_MAX_COLS_WITH_SUMS = 512  # a backward with column sums (registers: see pla
 WARP_BLOCK_THREADS = 128  # OneFlow: 128 threads per block for the warp kernel
 BLOCK_SIZES = (1024, 512, 256)  # tried, largest first, against the 128-thread occupancy
 UNCACHED_BLOCK = 1024
-CLUSTER_SIZES = (2, 4, 8)  # portable cluster sizes
+# Cluster sizes tried, smallest first. 16 is past the portable 8: Hopper allows it per kernel
+# (ops/_common.kernel opts in), and where a driver refuses it its occupancy is 0.
+CLUSTER_SIZES = (2, 4, 8, 16)
 PACKS_PER_THREAD = 2  # the fewest packs per thread worth a wider block (measured, H100)
 CLUSTER_MAX_BLOCK = 512  # a backward with column sums: wider cluster blocks measured slower
 CLUSTER_SHARED = (256, 512)  # blocks that may share an SM in a cluster plan (_plan_cluster)

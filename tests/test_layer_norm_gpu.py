@@ -101,7 +101,8 @@ def variant_shapes(op, dtype, weight=False):
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, 3 * edge // wide * wide), Variant.CLUSTER),
                    ((2, 8 * (edge // wide) * wide), Variant.CLUSTER),
-                   ((2, 8 * edge + 64 * wide), Variant.BLOCK_UNCACHED)]
+                   ((2, CLUSTER_SIZES[-1] * (edge // wide) * wide), Variant.CLUSTER),
+                   ((2, CLUSTER_SIZES[-1] * edge + 64 * wide), Variant.BLOCK_UNCACHED)]
     else:
         shapes += [((2, edge + 64 * wide), Variant.BLOCK_UNCACHED)]
     shapes += [((2, 10**5 + 3), None)]

@@ -146,11 +146,16 @@ def test_cluster_rule():
         assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
             (Variant.CLUSTER, 4, (256, 1), 65536), p
         assert p.grid == 132 * 3 // 4 * 4  # one wave of clusters, each looping over rows
-        # 1 MiB of cached rows: 8 blocks of 128 KiB, one per SM, of 1024 threads
+        # 1 MiB of cached rows: 16 blocks (past the portable 8) of 64 KiB, 3 per SM
         cols = 262144 // inputs
         p = plan_rowwise(op, 512, cols, "float32", H100)
-        assert (p.cluster, p.block, p.smem_bytes) == (8, (1024, 1), 131072), p
-        assert p.grid == 132 // 8 * 8
+        assert (p.cluster, p.block, p.smem_bytes) == (16, (256, 1), 65536), p
+        assert p.grid == 132 * 3 // 16 * 16
+        # 2 MiB: 16 blocks of 128 KiB, one per SM, of 1024 threads
+        cols = 2 * 262144 // inputs
+        p = plan_rowwise(op, 256, cols, "float32", H100)
+        assert (p.cluster, p.block, p.smem_bytes) == (16, (1024, 1), 131072), p
+        assert p.grid == 132 // 16 * 16
     p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100)
     assert (p.cluster, p.block, p.smem_bytes) == (4, (512, 1), 65536), p  # 1536 threads an SM
     assert p.grid == min(1024, 132 * 3 // 4 * _dispatch.WAVES) * 4  # the norms: waves
@@ -170,8 +175,8 @@ def test_cluster_rule():
 
 def test_cluster_sizes_and_uncached_fallback():
     p = plan_rowwise("softmax", 128, 262144, "float32", H100)  # 1 MiB row
-    assert p.variant is Variant.CLUSTER and p.cluster == 8
-    assert p.smem_bytes == 262144 * 4 // 8
+    assert p.variant is Variant.CLUSTER and p.cluster == 16
+    assert p.smem_bytes == 262144 * 4 // 16
     assert p.grid % p.cluster == 0
     p = plan_rowwise("softmax", 8, 10**6, "float32", H100)  # 4 MB row: no cluster holds it
     assert p.variant is Variant.BLOCK_UNCACHED

@@ -10,7 +10,7 @@ import pytest
 
 import cukern
 from cukern import reference
-from cukern._dispatch import OPS, Variant, max_dynamic_smem
+from cukern._dispatch import CLUSTER_SIZES, OPS, Variant, max_dynamic_smem
 
 from .conftest import DTYPES, TOL
 
@@ -85,7 +85,7 @@ def variant_shapes(op, dtype):
     """(shape, expected variant) on this device: every regime and its edges."""
     edge = smem_edge(op, dtype)
     wide = 16 // ITEM[dtype]
-    cluster_cap = 8 * edge
+    cluster_cap = CLUSTER_SIZES[-1] * edge
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
               ((5, 64), Variant.WARP), ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
@@ -95,7 +95,8 @@ def variant_shapes(op, dtype):
     if spec().has_clusters:
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, (3 * edge) // wide * wide), Variant.CLUSTER),
-                   ((2, 8 * (edge // wide) * wide), Variant.CLUSTER)]
+                   ((2, 8 * (edge // wide) * wide), Variant.CLUSTER),
+                   ((2, CLUSTER_SIZES[-1] * (edge // wide) * wide), Variant.CLUSTER)]
     shapes += [((2, cluster_cap + wide * 64), Variant.BLOCK_UNCACHED)]
     return shapes
 
@@ -342,7 +343,7 @@ def pinned_plans(op, dtype, rows, cols):
     plans.append(replace(template, variant=Variant.BLOCK_UNCACHED, block=(1024, 1),
                          smem_bytes=0))
     if dev.has_clusters:
-        for size, threads in itertools.product((2, 4, 8), (128, 1024)):
+        for size, threads in itertools.product(CLUSTER_SIZES, (128, 1024)):
             per = -(-(cols // pack) // size)
             plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
                                  block=(threads, 1), smem_bytes=per * pack * ITEM[dtype] * inputs))

@@ -218,6 +218,8 @@ def driver_occupancy(device_id: int):
         kern = kernel(plan, device_id)
         if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
             return 0
+        if plan.cluster > PORTABLE_CLUSTER and not _max_active_clusters(kern, plan):
+            return 0  # a cluster size this device or driver does not take
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kern.kernel.ptr, plan.threads, plan.smem_bytes)
 
@@ -264,10 +266,24 @@ def _max_active_clusters(kern, plan: _dispatch.Plan) -> int | None:
     return n.value if n.value > 0 else None
 
 
+PORTABLE_CLUSTER = 8  # larger clusters need the kernel's non-portable opt-in
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+_non_portable: set[int] = set()  # kernels (function handles) opted in
+
+
 def kernel(plan: _dispatch.Plan, device_id: int):
     """The compiled kernel of a plan, allowed all the dynamic shared memory the device has
-    beside the kernel's static shared memory (set once; plans of different sizes share it)."""
+    beside the kernel's static shared memory (set once; plans of different sizes share it),
+    and clusters past the portable size where its plan has one."""
     kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
+    if plan.cluster > PORTABLE_CLUSTER and kern.kernel.ptr not in _non_portable:
+        from cupy_backends.cuda.api import driver
+
+        try:
+            driver.funcSetAttribute(kern.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        except Exception:  # an older driver: the occupancy check then finds no room for it
+            pass
+        _non_portable.add(kern.kernel.ptr)
     if plan.smem_bytes:
         limit = device_spec(device_id).smem_per_block_optin - kern.shared_size_bytes
         if kern.max_dynamic_shared_size_bytes != limit:
