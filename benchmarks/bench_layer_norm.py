@@ -190,6 +190,7 @@ def _jax_fn(op: str, sets, cols: int):
 def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list[dict]:
     rows_fn = lambda c: max(1, 2**27 // c)  # noqa: E731
     results, copy_cache = [], {}
+    _bench.warm_up()
     for name in dtypes:
         dtype = _bench._np_dtype(name)
         item = np.dtype(dtype).itemsize
