@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import reference
-from ._dispatch import ITEMSIZE, OPS, max_dynamic_smem
+from ._dispatch import CLUSTER_SIZES, ITEMSIZE, OPS, max_dynamic_smem
 
 __all__ = ["TOL", "run"]
 
@@ -81,7 +81,7 @@ def shapes(op: str, dtype: str, spec) -> list[tuple[str, tuple[int, ...], int]]:
     cap = max_dynamic_smem(spec) // (ITEMSIZE[dtype] * _inputs_per_row(op))
     out = [("warp", (257, 33), -1), ("warp", (256, 1024), -1), ("block_smem", (64, 3000), -1),
            ("cluster", (4, -(-(cap + 100) // 8) * 8), -1),
-           ("block_uncached", (2, -(-(8 * cap + 100) // 8) * 8), -1)]
+           ("block_uncached", (2, -(-(CLUSTER_SIZES[-1] * cap + 100) // 8) * 8), -1)]
     if op in SOFTMAX_OPS:
         out.append(("strided", (1000, 63), 0))
     return out
