@@ -80,9 +80,14 @@ def test_pack_respects_alignment_and_stride():
     assert plan_rowwise("softmax", 8, 64, "float16", H100, strided=True).pack_size == 1
 
 
-def test_grid_is_one_flow_get_num_blocks():
+def test_grids():
+    # the warp kernel: a block for every 8 groups of 16 lanes, each group 2 rows (no cap)
     p = plan_rowwise("softmax", 10**7, 64, "float32", H100)
-    # 128 threads per block: at most 132 SMs * 2048 / 128 * 32 waves
+    assert (p.block, p.rows_per_access) == ((16, 8), 2)
+    assert p.grid == 10**7 // 16
+    # the block kernels: OneFlow's GetNumBlocks, at most 32 waves of resident threads
+    p = plan_rowwise("softmax", 10**7, 2048, "float32", H100)
+    assert p.variant is Variant.BLOCK_SMEM and p.block == (128, 1)
     assert p.grid == 132 * 2048 // 128 * 32
     p = plan_rowwise("softmax", 5, 64, "float32", H100)
     assert p.grid == 1  # 5 rows, one per group of 16 lanes, 8 groups a block
