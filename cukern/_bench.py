@@ -414,8 +414,8 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    if title:
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()) if title else None)
+    if title:  # in the half inch kept free above the panels
         fig.suptitle(title)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
