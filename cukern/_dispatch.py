@@ -383,8 +383,9 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
        whose blocks make three passes over their slice between reads and writes, 1536 (layer
        norm, same shape: 89% with 3 blocks of 512 threads per SM, 69% with 3 of 256);
     2. else the smallest cluster that fits, with the widest block that launches (1024
-       threads: the most loads in flight; float32 softmax at 262144 columns, 8 blocks of
-       128 KiB: 91% against 85% with 512 threads).
+       threads: the most loads in flight; float32 softmax at 262144 columns over 8 blocks of
+       128 KiB: 91% against 85% with 512 threads; over 16 blocks of 64 KiB, 3 per SM, by
+       rule 1: 95%).
 
     The grid: one wave of resident clusters (the driver's count when it gives one), each
     looping over rows, where the op's blocks overlap rows or only one block fits an SM; else
