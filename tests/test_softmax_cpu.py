@@ -178,6 +178,21 @@ def test_cluster_rule():
     assert (p.cluster, p.block) == (2, (256, 1)), p
 
 
+def test_refused_cluster_size_falls_back():
+    """A driver that takes no cluster of 16 (the occupancy hook answers 0 for it, as
+    ops/_common.driver_occupancy does when the driver fits none) leaves the planner to the
+    portable sizes, or to the uncached kernel."""
+    def portable_only(plan):
+        return 0 if plan.cluster > 8 else H100.model_occupancy(plan.threads, plan.smem_bytes)
+
+    p = plan_rowwise("softmax", 128, 262144, "float32", H100, portable_only)  # 1 MiB row
+    assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
+        (Variant.CLUSTER, 8, (1024, 1), 131072), p
+    p = plan_rowwise("softmax_backward", 128, 262144, "float32", H100, portable_only)  # 2 MiB
+    assert p.variant is Variant.BLOCK_UNCACHED, p
+    assert plan_rowwise("softmax_backward", 128, 262144, "float32", H100).cluster == 16
+
+
 def test_cluster_sizes_and_uncached_fallback():
     p = plan_rowwise("softmax", 128, 262144, "float32", H100)  # 1 MiB row
     assert p.variant is Variant.CLUSTER and p.cluster == 16
