@@ -28,7 +28,8 @@
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
-// the cluster size, and the fused-functor switches WEIGHT, BIAS, RESIDUAL. The group width
+// the cluster size, the fused-functor switches WEIGHT, BIAS, RESIDUAL, and whether a cached
+// forward block overlaps its rows (OVERLAP: a loop of different registers). The group width
 // (blockDim.x of the warp kernel), the block size and padding are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
@@ -60,6 +61,25 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
       for (int i = 0; i < N; ++i) dst[i] = Num<T>::to(Num<T>::from(dst[i] + r[i]));
       h.template store<N>(dst, row, col);
     }
+  }
+  // load() in two steps: fetch() issues the loads, finish() converts, adds and writes h.
+  template <int N> struct Raw {
+    Pack<T, N> x, res;
+  };
+  template <int N> __device__ __forceinline__ Raw<N> fetch(i64 row, int col) const {
+    Raw<N> r;
+    r.x = x.template raw<N>(row, col);
+    if (RESIDUAL) r.res = res.template raw<N>(row, col);
+    return r;
+  }
+  template <int N>
+  __device__ __forceinline__ void finish(const Raw<N>& r, C* dst, i64 row, int col) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      dst[i] = pack_value(r.x, i);
+      if (RESIDUAL) dst[i] = Num<T>::to(Num<T>::from(dst[i] + pack_value(r.res, i)));
+    }
+    if (RESIDUAL) h.template store<N>(dst, row, col);
   }
   // The value load() returns for column 0 of a row, without writing h.
   __device__ __forceinline__ C first(i64 row) const {
@@ -187,6 +207,11 @@ __device__ __forceinline__ Welford<C> own_deviations(const SmemRow<T, C, PACK>& 
     for (int i = 0; i < PACK; ++i) q += at(v[i]) * at(v[i]);
   }
   return Welford<C>{n, m, q};
+}
+
+// One value's part of the first pass: x - K (layer norm) or x^2 (RMS norm).
+template <int ALGO, typename C> __device__ __forceinline__ C norm_term(C v, C k) {
+  return ALGO == kLayerNorm ? v - k : v * v;
 }
 
 // Writes a row's statistics (RMS norm has no mean).
@@ -321,45 +346,62 @@ template <int CLUSTER> struct ClusterReduce {
 };
 
 // The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of every
-// `step`-th row from row0, the slice (`slice` values) cached in shared memory. Each thread sums
-// the packs it caches, then takes the exact squared deviations of those same cached values
-// from their own mean (no barrier: it reads back only what it wrote); `reduce` merges the
-// threads' (count, mean, M2) (or the RMS sums) across the block or cluster with Chan's
-// formula; then y from the cache. (A running Welford merge in the load loop measured 20-25%
-// slower: its dependent chain holds back the next loads.) Without a residual, the slice
-// reaches shared memory by asynchronous copies: all of a thread's packs in flight at once (the
-// compiler otherwise may issue them one at a time). (Double-buffering rows on a grid of one
-// wave, as the backward does, measured slower here than OneFlow's 32 waves of blocks.)
-template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, int PACK, typename T, typename C,
-          typename Ld, typename St, typename Reduce>
+// `step`-th row from `row`, the slice cached in shared memory. Each thread sums the packs it
+// caches, then takes the exact squared deviations of those same cached values from their own
+// mean (no barrier: it reads back only what it wrote); `reduce` merges the threads' (count,
+// mean, M2) (or the RMS sums) across the block or cluster with Chan's formula; then y from the
+// cache. x alone, in packs of at least 4 bytes, reaches the cache by asynchronous copies, all
+// of a thread's packs in flight at once (the compiler otherwise may issue them one at a time);
+// x + residual (written to h as it is cached) by loads U packs at a time.
+//
+// OVERLAP (the planner's choice, _plan_overlap): each thread loads the next row U packs ahead
+// into registers while it writes this row's y from the cache, and puts them in the slots it
+// has just written out (its own: no barrier), summing as it goes. A block then keeps memory
+// busy on its own, for some 20 more registers a thread. Measured on the H100 with a residual:
+// 94-96% of copy against 85-90% where OneFlow's blocks leave 1024 threads or fewer on an SM
+// (float16 at 65536 columns, float32 at 8192-32768) and for clusters; where more share an SM,
+// taking turns at memory with OneFlow's waves is as fast, and for x alone the registers cost
+// float16 layer norm at 131072 columns its third block per SM (89% of copy -> 70%).
+// (A running Welford merge in the load loop measured 20-25% slower: its dependent chain holds
+// back the next loads.)
+template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, typename T,
+          typename C, typename Ld, typename St, typename Reduce>
 __device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x, i64 sx,
-                                          C* mean, C* rstd, C eps, i64 row0, i64 rows, i64 step,
+                                          C* mean, C* rstd, C eps, i64 row, i64 rows, i64 step,
                                           int cols, int p0, int p1, bool writer, Reduce reduce) {
+  constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
+  constexpr int U = RESIDUAL ? 2 : 4;  // packs of the next row in registers per thread
   extern __shared__ uint4 smem_words[];
   const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
-  constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
-  for (i64 row = row0; row < rows; row += step) {
-    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K, the same in every block
-    C s = C(0);
+  const int stride = blockDim.x;
+  if (row >= rows) return;  // uniform across the block (and the cluster)
+  C k, s;  // the row's shift K (the same in every block) and this thread's sum
+  auto fill = [&]() {  // row into the cache, and s
+    k = SHIFT ? ld.first(row) : C(0);
+    s = C(0);
     if constexpr (ASYNC) {
       const T* src = x + row * sx;
-      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+      for (int p = p0 + threadIdx.x; p < p1; p += stride) {
         cp_async<PACK * sizeof(T)>(cache.base + (p - p0) * PACK, src + p * PACK);
       }
       cp_async_wait_all();
-      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+      for (int p = p0 + threadIdx.x; p < p1; p += stride) {
         C v[PACK];
         cache.get(p - p0, v);
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
+        for (int i = 0; i < PACK; ++i) s += norm_term<ALGO>(v[i], k);
       }
     } else {
       scan_packs<C, PACK, PACK, 4>(ld, row, p0, p1, [&](int p, const C* v) {
         cache.put(p - p0, v);
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) s += ALGO == kLayerNorm ? v[i] - k : v[i] * v[i];
+        for (int i = 0; i < PACK; ++i) s += norm_term<ALGO>(v[i], k);
       });
     }
+  };
+  if (OVERLAP) fill();  // later rows arrive during the rows before them
+  for (;;) {
+    if (!OVERLAP) fill();
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
       const Welford<C> w = reduce(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1));
@@ -371,25 +413,66 @@ __device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x
     const C rs = Math<C>::rsqrt(var + eps);
     if (writer && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
     const Centre<C, TWO_STEP> at{k, m};
-    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-      C v[PACK];
-      cache.get(p - p0, v);
+    const i64 next = row + step;
+    const bool more = next < rows;  // uniform
+    if constexpr (!OVERLAP) {
+      for (int p = p0 + threadIdx.x; p < p1; p += stride) {
+        C v[PACK];
+        cache.get(p - p0, v);
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
-      st.template store<PACK>(v, row, p * PACK);
+        for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
+        st.template store<PACK>(v, row, p * PACK);
+      }
+    } else {
+      const C k_next = SHIFT && more ? ld.first(next) : C(0);
+      s = C(0);
+      for (int p = p0 + threadIdx.x; p < p1; p += U * stride) {
+        typename Ld::template Raw<PACK> nv[U];
+        if (more) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (p + u * stride < p1) nv[u] = ld.template fetch<PACK>(next, (p + u * stride) * PACK);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int q = p + u * stride;
+          if (q >= p1) break;
+          C v[PACK];
+          cache.get(q - p0, v);
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
+          st.template store<PACK>(v, row, q * PACK);
+        }
+        if (more) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int q = p + u * stride;
+            if (q >= p1) break;
+            C v[PACK];
+            ld.template finish<PACK>(nv[u], v, next, q * PACK);
+            cache.put(q - p0, v);
+#pragma unroll
+            for (int i = 0; i < PACK; ++i) s += norm_term<ALGO>(v[i], k_next);
+          }
+        }
+      }
+      k = k_next;
     }
+    if (!more) return;
+    row = next;
   }
 }
 
 // Block kernel with the row cached in shared memory (cols values of T; see norm_rows).
 // Grid-stride over rows; any block size that is a multiple of 32.
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL>
+template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL, bool OVERLAP>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
   BlockReduce reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, PACK>(ld, st, x, sx, mean, rstd, eps, blockIdx.x,
-                                                   rows, gridDim.x, cols, 0, cols / PACK, true,
-                                                   reduce);
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(ld, st, x, sx, mean, rstd, eps,
+                                                            blockIdx.x, rows, gridDim.x, cols, 0,
+                                                            cols / PACK, true, reduce);
 }
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
@@ -437,7 +520,8 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // A cluster of CLUSTER blocks per row (sm_90): each block caches a slice of the row (see
 // norm_rows), and the blocks' statistics meet in distributed shared memory.
-template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL>
+template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
+          bool OVERLAP>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
@@ -446,10 +530,10 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
   ClusterReduce<CLUSTER> reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, PACK>(ld, st, x, sx, mean, rstd, eps,
-                                                   blockIdx.x / CLUSTER, rows,
-                                                   gridDim.x / CLUSTER, cols, p0, p1, rank == 0,
-                                                   reduce);
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(ld, st, x, sx, mean, rstd, eps,
+                                                            blockIdx.x / CLUSTER, rows,
+                                                            gridDim.x / CLUSTER, cols, p0, p1,
+                                                            rank == 0, reduce);
 }
 #endif
 

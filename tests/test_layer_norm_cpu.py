@@ -81,8 +81,9 @@ def test_name_expressions():
     assert p.name_expression() == \
         "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, true, true, false>"
     p = plan_rowwise("rms_norm", 4096, 4096, "bfloat16", H100, extra=("true", "false", "true"))
+    assert not p.overlap  # the last argument: whether blocks overlap their rows
     assert p.name_expression() == \
-        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true>"
+        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true, false>"
     p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, extra=("true",))
     assert p.variant is Variant.CLUSTER
     regs = "true" if p.sums_in_registers else "false"
@@ -220,6 +221,43 @@ def test_forward_smem_ignores_weight():
     assert a.smem_bytes == 5000 * 2
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_residual_blocks_overlap_their_rows(op):
+    """With a residual a block may load its next row while it writes this one (Plan.overlap):
+    it does where OneFlow's blocks would leave at most OVERLAP_RESIDENT threads on an SM, with
+    the widest block its row allows, and in one wave where that block is alone on its SM.
+    Clusters with a residual always do, in one wave. Without a residual: OneFlow's rules."""
+    bias = "true" if op == "layer_norm" else "false"
+    fused, plain = ("true", bias, "true"), ("true", bias, "false")
+
+    def occ(plan):  # 64 registers a thread: one 1024-thread block per SM
+        by_smem = H100.model_occupancy(plan.threads, plan.smem_bytes)
+        return min(by_smem, 65536 // (64 * plan.threads))
+
+    # OneFlow's blocks: 3 of 256 threads (64 KiB each), 768 threads an SM
+    q = plan_rowwise(op, 8192, 16384, "float32", H100, occ, extra=plain)
+    assert q.block == (256, 1) and occ(q) * 256 <= _dispatch.OVERLAP_RESIDENT
+    assert not q.overlap and q.grid == 8192  # OneFlow's waves: one row a block
+    p = plan_rowwise(op, 8192, 16384, "float32", H100, occ, extra=fused)
+    assert p.variant is Variant.BLOCK_SMEM and p.overlap
+    assert p.block == (1024, 1) and occ(p) == 1 and p.grid == 132  # one wave
+    assert p.name_expression().endswith(", true, true>")
+    # overlapping blocks that share an SM: OneFlow's waves of them
+    r = plan_rowwise(op, 65536, 2048, "float32", H100, occ, extra=fused)
+    assert r.overlap and r.block == (256, 1) and occ(r) == 4
+    assert r.grid == min(65536, 132 * 8 * 32)
+    # many blocks an SM (16 of 128 threads): they take turns at memory, no overlap
+    s = plan_rowwise(op, 65536, 2048, "float16", H100, extra=fused)
+    assert not s.overlap and s.block == (128, 1) and s.grid == 65536
+    # a cluster: one wave, with a residual even where several blocks fit an SM
+    c = plan_rowwise(op, 1024, 131072, "float16", H100, extra=fused)
+    d = plan_rowwise(op, 1024, 131072, "float16", H100, extra=plain)
+    assert c.variant is d.variant is Variant.CLUSTER and c.overlap and not d.overlap
+    per_sm = H100.model_occupancy(d.threads, d.smem_bytes)
+    assert per_sm > 1 and d.grid == min(1024, 132 * per_sm // d.cluster * 32) * d.cluster
+    assert c.grid == 132 * per_sm // c.cluster * c.cluster
+
+
 def test_backward_with_weight_uses_one_wave_of_blocks():
     # one partial row of dweight/dbias per block: the grid is what is resident at once
     p = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, extra=("true",))
@@ -279,12 +317,27 @@ def test_reachable_sets():
         for dt in ITEM:
             names = _dispatch.reachable_plans(op, dt, H100)
             kernels = [n for n in names if "param_grad" not in n]
-            for extra in OPS[op].extras:  # every switch combination, and nothing else
-                assert any(n.endswith(", " + ", ".join(extra) + ">") for n in kernels)
             n_extra = len(OPS[op].extras[0])
-            assert {tuple(n[:-1].split(", ")[-n_extra:]) for n in kernels} == set(OPS[op].extras)
+
+            def switches(name):
+                """The op's switches: the forward's cached kernels end in Plan.overlap."""
+                args = name[:-1].split(", ")
+                if OPS[op].overlap_switch >= 0 and ("_warp<" not in name and
+                                                    "_uncached<" not in name):
+                    assert args[-1] in ("false", "true")
+                    # blocks overlap their rows only where the op's switch allows it
+                    assert args[-1] == "false" or args[-1 - n_extra + OPS[op].overlap_switch] \
+                        == "true", name
+                    args = args[:-1]
+                return tuple(args[-n_extra:])
+
+            # every switch combination, and nothing else
+            assert {switches(n) for n in kernels} == set(OPS[op].extras)
             if op == "rms_norm":  # no bias
-                assert all(n[:-1].split(", ")[-2] == "false" for n in kernels)
+                assert all(switches(n)[1] == "false" for n in kernels)
+            if OPS[op].overlap_switch >= 0:  # both ways with a residual, for the block kernel
+                assert any(n.endswith(", true, true>") and "_block_smem<" in n for n in kernels)
+                assert any(n.endswith(", true, false>") and "_block_smem<" in n for n in kernels)
             if op in BWD:
                 assert f"cukern::norm_param_grad_reduce<{CPP[dt]}>" in names
                 algo = OPS[op].algo

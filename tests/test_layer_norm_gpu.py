@@ -260,6 +260,51 @@ def test_forward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
             assert ln_mod.last_plan(op).variant is Variant.BLOCK_UNCACHED
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD)
+def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
+    """Grids of two blocks (or two clusters) over 9 rows, so that each loops over rows: the
+    cached kernels' row loops, both ways with a residual (blocks that take turns, and blocks
+    that load their next row while they write this one: Plan.overlap). Odd columns give packs
+    of one element; the rest end in partial strides of the block."""
+    from dataclasses import replace
+
+    planned = ln_mod._plan
+    overlap = [False]
+
+    def two_groups(*args, **kwargs):
+        plan = planned(*args, **kwargs)
+        if plan.variant is Variant.BLOCK_SMEM and plan.extra[2] == "true":
+            plan = replace(plan, overlap=overlap[0])
+        if plan.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
+            plan = replace(plan, grid=2 * plan.cluster)
+        return plan
+
+    monkeypatch.setattr(ln_mod, "_plan", two_groups)
+    monkeypatch.setattr(ln_mod, "_launches", {})
+    monkeypatch.setattr(ln_mod, "_fresh", {})
+    edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, False)
+    wide = 16 // ITEM[dtype]
+    cases = [(1025, Variant.BLOCK_SMEM), (4104, Variant.BLOCK_SMEM),
+             (edge // wide * wide, Variant.BLOCK_SMEM)]
+    if spec().has_clusters:
+        cases += [((edge // wide + 1) * wide, Variant.CLUSTER),
+                  (3 * (edge // wide) * wide + 1, Variant.CLUSTER)]
+    for (cols, variant), weight, bias, residual in (
+            (case, *switches) for case in cases for switches in combos(op)):
+        for overlap[0] in ((False, True) if residual else (False,)):
+            x = make((9, cols), dtype, rng)
+            w = make(cols, dtype, rng, 1.0, 1.0) if weight else None
+            b = make(cols, dtype, rng, 1.0, 0.0) if bias else None
+            r = make((9, cols), dtype, rng) if residual else None
+            check_forward(op, x, cols, w, b, r, dtype)
+            plan = ln_mod.last_plan(op)
+            assert plan.variant is variant and plan.grid == 2 * plan.cluster, plan
+            # clusters overlap their rows exactly when there is a residual
+            want = overlap[0] if variant is Variant.BLOCK_SMEM else residual
+            assert plan.overlap is want, plan
+
+
 def _variant_cases(op, dtype):
     """Columns that reach the warp, block, cluster (Hopper) and uncached kernels."""
     edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, True)
