@@ -173,8 +173,8 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
 // ---------------------------------------------------------------------------------------------
 // Cached kernels: a block, or each block of a cluster of CLUSTER, keeps packs [p0, p1) of the row
 // in shared memory in the storage type. Thread t owns packs p0 + t, p0 + t + BLOCK, ... in every
-// pass, so the cache needs no barrier of its own. Grids are one wave of resident blocks, each
-// looping over rows.
+// pass, so the cache needs no barrier of its own. Each block (or cluster) loops over rows: the
+// cluster grid is one wave of them, the block grid OneFlow's waves (cukern/_dispatch.py).
 
 // The packs [p0, p1) of `num_packs` that cluster rank `rank` of `cluster` blocks owns.
 __device__ __forceinline__ void cluster_slice(int num_packs, int cluster, unsigned rank, int& p0,
