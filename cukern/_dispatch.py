@@ -98,6 +98,8 @@ class OpInfo:
     # (load the next row while it writes this one; Plan.overlap, a last template argument of
     # the block and cluster kernels): the norms with a residual. -1: none.
     overlap_switch: int = -1
+    # What each position of `extra` switches on, by the name of the op's argument (explain)
+    switches: tuple[str, ...] = ()
 
 
 _TF = ("false", "true")
@@ -113,16 +115,18 @@ OPS: dict[str, OpInfo] = {
     "log_softmax_backward": OpInfo("softmax", "softmax_grad", 1, 2),
     # extra = (WEIGHT, BIAS, RESIDUAL)
     "layer_norm": OpInfo("layer_norm", "layer_norm", 0, 1, **_NORM, overlap_switch=2,
-                         extras=tuple((w, b, r) for w in _TF for b in _TF for r in _TF)),
+                         extras=tuple((w, b, r) for w in _TF for b in _TF for r in _TF),
+                         switches=("weight", "bias", "residual")),
     "rms_norm": OpInfo("layer_norm", "layer_norm", 1, 1, **_NORM, overlap_switch=2,
-                       extras=tuple((w, "false", r) for w in _TF for r in _TF)),
+                       extras=tuple((w, "false", r) for w in _TF for r in _TF),
+                       switches=("weight", "bias", "residual")),
     # extra = (WEIGHT,): dx uses dy * gamma, and dgamma (and dbeta) are summed over rows
     "layer_norm_backward": OpInfo("layer_norm", "layer_norm_grad", 0, 2, **_NORM,
                                   extras=(("false",), ("true",)), col_sums=2,
-                                  aux_kernels=_PARAM_REDUCE),
+                                  aux_kernels=_PARAM_REDUCE, switches=("weight",)),
     "rms_norm_backward": OpInfo("layer_norm", "layer_norm_grad", 1, 2, **_NORM,
                                 extras=(("false",), ("true",)), col_sums=1,
-                                aux_kernels=_PARAM_REDUCE),
+                                aux_kernels=_PARAM_REDUCE, switches=("weight",)),
 }
 
 CPP_TYPES = {"float16": "cukern::f16", "bfloat16": "cukern::bf16", "float32": "float",

@@ -31,15 +31,19 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def explain(op: str, shape, dtype, axis: int = -1, device=None) -> _dispatch.Plan:
+def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool = False,
+            bias: bool = False, residual: bool = False) -> _dispatch.Plan:
     """The plan ``op`` would run for a C-contiguous array of ``shape`` and ``dtype``.
 
     ``device``: a :class:`DeviceSpec` (plans from its occupancy model, no GPU needed), a CUDA
     device id (the driver's occupancy for the compiled kernels), or None: the current GPU when
-    one is visible, else ``DeviceSpec.h100()``. ``print(plan)`` shows it readably.
+    one is visible, else ``DeviceSpec.h100()``. ``weight``, ``bias``, ``residual``: whether the
+    call passes them (the norms; ``rms_norm`` takes no bias, the backwards only a weight): they
+    choose the kernel too. ``print(plan)`` shows it readably.
     """
     if op not in _dispatch.OPS:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(_dispatch.OPS)}")
+    extra = _extra(op, {"weight": weight, "bias": bias, "residual": residual})
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
         raise ValueError(f"explain: shape must be non-negative ints, got {shape}")
@@ -55,7 +59,21 @@ def explain(op: str, shape, dtype, axis: int = -1, device=None) -> _dispatch.Pla
         raise ValueError(f"explain: shape {shape} is empty; no kernel runs for it")
     strided = math.prod(full[axis + 1:]) > 1
     spec, occupancy = _resolve(device)
-    return _dispatch.plan_rowwise(op, rows, cols, name, spec, occupancy, strided=strided)
+    return _dispatch.plan_rowwise(op, rows, cols, name, spec, occupancy, strided=strided,
+                                  extra=extra)
+
+
+def _extra(op: str, flags: dict[str, bool]) -> tuple[str, ...]:
+    """The planner's ``extra`` switches for the arguments a call passes."""
+    info = _dispatch.OPS[op]
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"explain: {name} must be True or False, got {value!r}")
+    extra = tuple("true" if flags[name] else "false" for name in info.switches)
+    for name, value in flags.items():
+        if value and (name not in info.switches or extra not in info.extras):
+            raise ValueError(f"explain: {op} takes no {name}")
+    return extra if info.switches else info.extras[0]
 
 
 def _resolve(device):

@@ -599,14 +599,18 @@ def _parse_shape(text: str, opt: str) -> tuple[int, ...]:
 @click.option("--axis", type=int, default=-1, show_default=True)
 @click.option("--device", default="auto", show_default=True, metavar="auto|h100|a100|gpu:N",
               help="auto: the current GPU if one is visible, else the H100 preset.")
-def explain_cmd(op, shape, dtype, axis, device):
+@click.option("--weight", is_flag=True, help="The norm is given a weight.")
+@click.option("--bias", is_flag=True, help="The layer norm is given a bias.")
+@click.option("--residual", is_flag=True, help="The norm is given a residual.")
+def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual):
     """Show the kernel plan for OP on an array, without running anything.
 
     \b
-    OP is one of the planner's ops, e.g. softmax, log-softmax, softmax-backward.
+    OP is one of the planner's ops, e.g. softmax, log-softmax, softmax-backward, layer-norm.
     Works with no GPU: the H100 and A100 presets plan from an occupancy model.
     \b
       cukern explain softmax --shape 49152x1000 --dtype float16
+      cukern explain layer-norm --shape 2048x65536 --dtype float16 --weight --residual
     """
     from . import _dispatch
     from ._device import DeviceSpec
@@ -629,7 +633,8 @@ def explain_cmd(op, shape, dtype, axis, device):
             raise InputError("--device cpu: explain plans GPU kernels; use auto, h100, a100 or "
                              "gpu:N")
     try:
-        plan = explain(name, dims, dtype, axis=axis, device=spec)
+        plan = explain(name, dims, dtype, axis=axis, device=spec, weight=weight, bias=bias,
+                       residual=residual)
     except (ValueError, TypeError) as err:
         raise InputError(str(err).removeprefix("explain: ")) from None
     click.echo(str(plan))

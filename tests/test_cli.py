@@ -738,6 +738,20 @@ def test_explain_errors():
     fails("explain", "softmax", "--shape", "4x4", "--axis", "2", code=2, says="out of range")
     fails("explain", "softmax", "--shape", "4x4", "--device", "cpu", code=2,
           says="--device cpu")
+    fails("explain", "rms-norm", "--shape", "4x4", "--bias", code=2, says="takes no bias")
+    fails("explain", "softmax", "--shape", "4x4", "--residual", code=2,
+          says="takes no residual")
+
+
+def test_explain_norm_switches():
+    """--weight, --bias, --residual choose the norm's kernel, as the call's arguments do."""
+    args = ("explain", "layer-norm", "--shape", "2048x65536", "--dtype", "float16",
+            "--device", "h100", "--weight", "--bias")
+    plain = run(*args).stdout
+    assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, false, false>" in plain
+    fused = run(*args, "--residual").stdout
+    assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, true, true>" in fused
+    assert "overlap            each block" in fused and "overlap" not in plain
 
 
 def test_info_runs_anywhere():

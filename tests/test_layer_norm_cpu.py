@@ -287,6 +287,24 @@ def test_explain_knows_the_norms():
     assert "layer_norm_warp<cukern::f16, 0, 8, 32, 1, false, false, false>" in str(p)
     p = cukern.explain("rms_norm_backward", (64, 8192), "bfloat16", device=H100)
     assert p.variant is Variant.BLOCK_SMEM
+    # the call's weight, bias and residual choose the kernel too
+    p = cukern.explain("layer_norm", (8, 197, 768), "float16", device=H100, weight=True,
+                       residual=True)
+    assert p.extra == ("true", "false", "true")
+    p = cukern.explain("rms_norm", (2048, 65536), "float16", device=H100, residual=True)
+    assert p.extra == ("false", "false", "true") and p.overlap and p.grid == 132
+    assert not cukern.explain("rms_norm", (2048, 65536), "float16", device=H100).overlap
+    p = cukern.explain("layer_norm_backward", (64, 8192), "float32", device=H100, weight=True)
+    assert p.extra == ("true",)
+    assert p.name_expression().startswith("cukern::layer_norm_grad_block_smem<float, 0, 4, true,")
+    with pytest.raises(ValueError, match="rms_norm takes no bias"):
+        cukern.explain("rms_norm", (4, 64), "float32", device=H100, bias=True)
+    with pytest.raises(ValueError, match="layer_norm_backward takes no residual"):
+        cukern.explain("layer_norm_backward", (4, 64), "float32", device=H100, residual=True)
+    with pytest.raises(ValueError, match="softmax takes no weight"):
+        cukern.explain("softmax", (4, 64), "float32", device=H100, weight=True)
+    with pytest.raises(TypeError, match="weight must be True or False, got 'yes'"):
+        cukern.explain("layer_norm", (4, 64), "float32", device=H100, weight="yes")
 
 
 # ---------------------------------------------------------------------------------------------
