@@ -406,11 +406,11 @@ def _plan_overlap(plan: Plan, widest: int, device: DeviceSpec, occ: Occupancy,
         return _replace(plan, grid=num_blocks(device, plan.threads, rows))
     for threads in BLOCK_SIZES + (128,):
         ov = _replace(plan, block=(threads, 1), overlap=True)
-        if threads <= widest and occ(ov) > 0:
+        n = occ(ov) if threads <= widest else 0
+        if n > 0:
             break
     else:
         return _replace(plan, grid=num_blocks(device, plan.threads, rows))
-    n = occ(ov)
     if n == 1:
         grid, note = device.sms, "one wave of blocks, each overlapping its rows"
     else:
@@ -469,10 +469,7 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
         return None
     plan, per_sm = choice
     size = plan.cluster
-    resident = device.sms * per_sm // size
-    fit = getattr(occ, "max_clusters", None)  # GPC sizes can leave fewer clusters room
-    if fit is not None:
-        resident = min(resident, fit(plan) or resident)
+    resident = _resident_clusters(plan, per_sm, device, occ)
     if info.rows_overlap or overlap or per_sm == 1:
         clusters, grid_note = resident, f"one wave of {resident} clusters"
     else:
@@ -480,6 +477,16 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
     notes = (f"row split over a cluster of {size} blocks, {plan.smem_bytes} bytes of shared "
              f"memory each, {per_sm} resident per SM; {grid_note}",)
     return _replace(plan, grid=max(1, min(rows, clusters)) * size, notes=notes)
+
+
+def _resident_clusters(plan: Plan, per_sm: int, device: DeviceSpec, occ: Occupancy) -> int:
+    """Clusters of ``plan`` resident at once: SMs x blocks per SM / cluster size, or fewer where
+    the driver says so (GPC sizes can leave fewer clusters room)."""
+    resident = device.sms * per_sm // plan.cluster
+    fit = getattr(occ, "max_clusters", None)
+    if fit is not None:
+        resident = min(resident, fit(plan) or resident)
+    return resident
 
 
 def _uncached(base: dict, no_warp: dict, col_sums: int, device: DeviceSpec, rows: int) -> Plan:
@@ -560,10 +567,8 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
                  f"x and dy {'double' if two else 'single'}-buffered in shared memory, "
                  f"{col_sums} column sums in {where} ({plan.smem_bytes} bytes per block, "
                  f"{per_sm} resident per SM)",)
-        groups = device.sms * per_sm // size
-        fit = getattr(occ, "max_clusters", None)  # GPC sizes can leave fewer clusters room
-        if size > 1 and fit is not None:
-            groups = min(groups, fit(plan) or groups)
+        groups = _resident_clusters(plan, per_sm, device, occ) if size > 1 else \
+            device.sms * per_sm
         return _replace(plan, grid=groups * size, notes=notes)
 
     plan = attempt(Variant.BLOCK_SMEM, 1, 1024)
