@@ -599,23 +599,33 @@ template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned
   return allreduce_group(static_cast<int>(lane) < nwarps ? slots[lane] : S::identity(), 32);
 }
 
-// All-reduce of one state per block across the CLUSTER blocks of a cluster (sm_90). `v` must be
-// the same in every thread of a block (the result of allreduce_block, say); every thread of
-// every block must call it. All blocks get bit-identical results.
-template <int CLUSTER, typename S> __device__ __forceinline__ S allreduce_cluster(S v) {
-  __shared__ S slot;
-  __shared__ S result;
+// All-reduce over a whole cluster (sm_90): the block's state (allreduce_block), then warp 0 of
+// each block merges the blocks' states from distributed shared memory in rank order (every block
+// gets bit-identical results) and hands the result to its block. Two buffers, picked by `phase`
+// as in allreduce_block: a block rewrites a buffer two calls later, past a cluster barrier that
+// every warp 0 reading it in the earlier call reached after its reads, so one cluster barrier a
+// call is enough. Only the final call (`last`, the same in every block) waits for every block's
+// reads with a second one, so that no block exits while another still reads its state. Every
+// thread of every block must call it, with the same `phase`.
+template <int CLUSTER, typename S>
+__device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last) {
+  __shared__ S slot[2], result[2];
+  const unsigned b = phase & 1u;
+  v = allreduce_block(v, phase);
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
-  if (tid == 0) slot = v;
+  if (tid == 0) slot[b] = v;
   cluster_sync();  // every block's state is written
   if (tid < 32) {
     const unsigned lane = tid;
-    S w = lane < CLUSTER ? S::remote(cluster_map(&slot, lane)) : S::identity();
-    w = allreduce_group(w, 32);
-    if (lane == 0) result = w;
+    const S w = allreduce_group(lane < CLUSTER ? S::remote(cluster_map(&slot[b], lane)) : S::identity(), 32);
+    if (lane == 0) result[b] = w;
   }
-  cluster_sync();  // every remote read is done (slots may be rewritten or freed after this)
-  return result;
+  if (last) {
+    cluster_sync();  // every block's reads are done (and result[b] written)
+  } else {
+    __syncthreads();  // result[b] written
+  }
+  return result[b];
 }
 
 // The packs [p0, p1) of `num_packs` that cluster rank `rank` of `cluster` blocks owns.

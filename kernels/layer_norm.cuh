@@ -332,16 +332,17 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
 
 // All-reduces of a state over the block, or the cluster, for norm_rows (generic lambdas would
 // do, but NVRTC compiles their call operator as host code when many kernels share a program).
+// `last`: the block's (and cluster's) final call.
 struct BlockReduce {
   unsigned phase = 0;  // allreduce_block's buffer phase
-  template <typename S> __device__ __forceinline__ S operator()(const S& v) {
+  template <typename S> __device__ __forceinline__ S operator()(const S& v, bool) {
     return allreduce_block(v, phase);
   }
 };
 template <int CLUSTER> struct ClusterReduce {
   unsigned phase = 0;
-  template <typename S> __device__ __forceinline__ S operator()(const S& v) {
-    return allreduce_cluster<CLUSTER>(allreduce_block(v, phase));
+  template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
+    return allreduce_cluster<CLUSTER>(v, phase, last);
   }
 };
 
@@ -402,19 +403,19 @@ __device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x
   if (OVERLAP) fill();  // later rows arrive during the rows before them
   for (;;) {
     if (!OVERLAP) fill();
+    const i64 next = row + step;
+    const bool more = next < rows;  // uniform across the block (and the cluster)
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
-      const Welford<C> w = reduce(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1));
+      const Welford<C> w = reduce(own_deviations<TWO_STEP, PACK>(cache, s, k, p0, p1), !more);
       m = w.mean;
       var = w.m2 / C(cols);
     } else {
-      var = reduce(Sums<C, 1>{{s}}).v[0] / C(cols);
+      var = reduce(Sums<C, 1>{{s}}, !more).v[0] / C(cols);
     }
     const C rs = Math<C>::rsqrt(var + eps);
     if (writer && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
     const Centre<C, TWO_STEP> at{k, m};
-    const i64 next = row + step;
-    const bool more = next < rows;  // uniform
     if constexpr (!OVERLAP) {
       for (int p = p0 + threadIdx.x; p < p1; p += stride) {
         C v[PACK];
@@ -870,7 +871,7 @@ __device__ __forceinline__ void grad_rows(const PairLoad<T, C>& ld,
                                       s);
       });
     }
-    const GradX<LAYER, C, NSUM> gx(reduce(s), m, rs, inv_cols);
+    const GradX<LAYER, C, NSUM> gx(reduce(s, row + step >= rows), m, rs, inv_cols);
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       C xv[PACK], d[PACK], g[PACK];
       cx.get(p - p0, xv);
@@ -949,7 +950,7 @@ __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
 template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS>
 __global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
-  auto reduce = [&](const Sums<C, NSUM>& s) { return allreduce_block(s, phase); };
+  auto reduce = [&](const Sums<C, NSUM>& s, bool) { return allreduce_block(s, phase); };
   grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
                                                      blockIdx.x, rows, gridDim.x, cols, cols, 0,
                                                      cols / PACK, blockIdx.x, reduce);
@@ -994,8 +995,8 @@ layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // values per slice
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
-  auto reduce = [&](const Sums<C, NSUM>& s) {
-    return allreduce_cluster<CLUSTER>(allreduce_block(s, phase));
+  auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
+    return allreduce_cluster<CLUSTER>(s, phase, last);
   };
   grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
                                                      blockIdx.x / CLUSTER, rows,
