@@ -100,11 +100,14 @@ class OpInfo:
     overlap_switch: int = -1
     # What each position of `extra` switches on, by the name of the op's argument (explain)
     switches: tuple[str, ...] = ()
+    # Bytes a cached kernel's shared memory asks for beyond its rows (and sums), to start them
+    # on a 128-byte boundary (kernels/common.cuh, aligned_dynamic_smem): the norms
+    smem_align: int = 0
 
 
 _TF = ("false", "true")
 _NORM = {"runtime_shape": True, "strided": False, "cluster_threads_per_sm": 1536,
-         "rows_overlap": False}
+         "rows_overlap": False, "smem_align": 128}
 _PARAM_REDUCE = ("cukern::norm_param_grad_reduce<{t}>",
                  "cukern::norm_param_grad_partial<{t}, {algo}, {pack}>")
 
@@ -361,7 +364,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         return _uncached(base, no_warp, col_sums, device, rows)
     # The kernels can overlap a block's rows (OpInfo.overlap_switch, Plan.overlap)
     overlap = info.overlap_switch >= 0 and extra[info.overlap_switch] == "true"
-    smem = cols * smem_per_col
+    smem = cols * smem_per_col + info.smem_align
     candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
                      **no_warp, **base)
     smem_limit = max_dynamic_smem(device)
@@ -450,7 +453,7 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
     fits = []
     for size in CLUSTER_SIZES:
         slice_packs = -(-(cols // pack) // size)
-        smem = slice_packs * pack * smem_per_col
+        smem = slice_packs * pack * smem_per_col + info.smem_align
         if smem <= max_dynamic_smem(device):
             fits.append((size, smem))
 
@@ -549,7 +552,8 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
             threads = min(max_block, block_threads_for(slice_packs))
             if in_regs:
                 threads = max(threads, min(1024, _pow2_at_least(-(-slice_packs // apt))))
-            smem = rows_smem * (2 if two else 1) + (0 if in_regs else col_sums * csize * values)
+            smem = rows_smem * (2 if two else 1) + (0 if in_regs else col_sums * csize * values) \
+                + info.smem_align
             if smem > limit:
                 continue
             plan = Plan(variant=variant, block=(threads, 1), grid=size, smem_bytes=smem,

@@ -372,8 +372,7 @@ __device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x
                                           int cols, int p0, int p1, bool writer, Reduce reduce) {
   constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
   constexpr int U = RESIDUAL ? 2 : 4;  // packs of the next row in registers per thread
-  extern __shared__ uint4 smem_words[];
-  const SmemRow<T, C, PACK> cache{reinterpret_cast<T*>(smem_words)};
+  const SmemRow<T, C, PACK> cache{aligned_dynamic_smem<T>()};
   const int stride = blockDim.x;
   if (row >= rows) return;  // uniform across the block (and the cluster)
   C k, s;  // the row's shift K (the same in every block) and this thread's sum
@@ -914,13 +913,12 @@ __device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
                                             const C* rstd, C* dw, C* db, i64 row0, i64 rows,
                                             i64 step, int cols, int slice, int p0, int p1,
                                             i64 prow_index, Reduce reduce) {
-  extern __shared__ uint4 smem_words[];
-  T* const base = reinterpret_cast<T*>(smem_words);
+  T* const base = aligned_dynamic_smem<T>();
   const int slice_packs = slice / PACK;
   constexpr bool in_regs = WEIGHT && REGS;
   if (in_regs && !RegSums<C, PACK>::fits(slice_packs)) __trap();  // the planner sizes blocks
   const unsigned acc_bytes = WEIGHT && !in_regs ? NACC * slice * sizeof(C) : 0;
-  const bool two = dynamic_smem_bytes() >= 4u * slice * sizeof(T) + acc_bytes;
+  const bool two = dynamic_smem_bytes() >= kSmemAlign + 4u * slice * sizeof(T) + acc_bytes;
   C* const acc = reinterpret_cast<C*>(base + (two ? 4 : 2) * static_cast<i64>(slice));
   const ColSums<C, PACK> acc_w{acc, slice_packs}, acc_b{acc + (NACC - 1) * slice, slice_packs};
   RegSums<C, PACK> regs;

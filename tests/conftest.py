@@ -109,7 +109,7 @@ def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
         while in_regs and threads < min(1024, -(-packs // apt)):
             threads *= 2
         sums = 0 if in_regs else _dispatch.OPS[op].col_sums * csize * packs * pack
-        smem = (2 if two else 1) * 2 * item * packs * pack + sums
+        smem = (2 if two else 1) * 2 * item * packs * pack + sums + _dispatch.OPS[op].smem_align
         if smem > _dispatch.max_dynamic_smem(device):
             continue
         per_sm = device.model_occupancy(threads, smem)

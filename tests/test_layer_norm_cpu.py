@@ -122,9 +122,11 @@ def smem_per_col(op, dtype, weight):
 
 
 def smem_edge(op, dtype, weight, device):
-    """Largest cols (a multiple of the widest pack) that one block's shared memory holds."""
+    """Largest cols (a multiple of the widest pack) that one block's shared memory holds,
+    beside the bytes that align the row (OpInfo.smem_align)."""
     pack = 16 // ITEM[dtype]
-    return _dispatch.max_dynamic_smem(device) // smem_per_col(op, dtype, weight) // pack * pack
+    room = _dispatch.max_dynamic_smem(device) - OPS[op].smem_align
+    return room // smem_per_col(op, dtype, weight) // pack * pack
 
 
 # (a backward with a weight also sums columns, planned by other rules: test_col_sums_shared_memory)
@@ -138,11 +140,13 @@ def test_block_smem_boundary(op, dtype, weight):
     wide = 16 // ITEM[dtype]
     inside = plan_rowwise(op, 1000, edge, dtype, H100, extra=extra)
     assert inside.variant is Variant.BLOCK_SMEM
-    assert inside.smem_bytes == edge * smem_per_col(op, dtype, weight and op in BWD)
+    align = OPS[op].smem_align
+    assert align == 128  # the norms' kernels start their cached rows on 128-byte boundaries
+    assert inside.smem_bytes == edge * smem_per_col(op, dtype, weight and op in BWD) + align
     above = plan_rowwise(op, 1000, edge + wide, dtype, H100, extra=extra)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
     assert above.smem_bytes == -(-(edge + wide) // wide // above.cluster) * wide * \
-        smem_per_col(op, dtype, weight and op in BWD)
+        smem_per_col(op, dtype, weight and op in BWD) + align
     assert above.smem_bytes <= _dispatch.max_dynamic_smem(H100)
     a_edge = smem_edge(op, dtype, weight, A100)
     assert plan_rowwise(op, 1000, a_edge, dtype, A100, extra=extra).variant is Variant.BLOCK_SMEM
@@ -174,21 +178,21 @@ def test_col_sums_shared_memory(op, dtype):
     p = plan_rowwise(op, 1000, 2048, "float16", H100, extra=("true",))
     sums = OPS[op].col_sums * 4 * 2048
     assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
-        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 2048 + sums, False)
+        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 2048 + sums + 128, False)
     # float16 rows of 16384: the sums leave shared memory to x and dy, 1024 threads holding
     # 2 packs' sums each; the model (threads and shared memory) sees room for two such blocks
     # per SM, so one buffer. (A live device's occupancy counts registers too: one block, and
     # then two buffers.)
     p = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
     assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
-        (Variant.BLOCK_SMEM, 1024, 2 * 2 * 16384, True)
+        (Variant.BLOCK_SMEM, 1024, 2 * 2 * 16384 + 128, True)
     one_per_sm = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1,
                               extra=("true",))
     # two buffers of x and dy; beside them, RMS norm's one row of sums still fits, layer
     # norm's two do not
     rms = op == "rms_norm_backward"
     assert (one_per_sm.smem_bytes, one_per_sm.sums_in_registers) == \
-        (4 * 2 * 16384 + (4 * 16384 if rms else 0), not rms)
+        (4 * 2 * 16384 + (4 * 16384 if rms else 0) + 128, not rms)
 
 
 @pytest.mark.parametrize("op", BWD)
@@ -218,7 +222,7 @@ def test_col_sums_clusters_fit_the_gpu():
 def test_forward_smem_ignores_weight():
     # the forward reads gamma/beta from global memory: only x (or x + residual) is cached
     a = plan_rowwise("layer_norm", 8, 5000, "float16", H100, extra=("true", "true", "true"))
-    assert a.smem_bytes == 5000 * 2
+    assert a.smem_bytes == 5000 * 2 + 128  # and the bytes that align it
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
@@ -268,7 +272,7 @@ def test_backward_with_weight_uses_one_wave_of_blocks():
     assert p.grid == 1  # never more blocks than rows need
     p = plan_rowwise("rms_norm_backward", 4096, 4096, "float16", H100, extra=("true",))
     assert p.variant is Variant.BLOCK_SMEM
-    assert p.smem_bytes == 2 * 2 * 4096 * 2 + 4096 * 4  # x and dy twice, the sums
+    assert p.smem_bytes == 2 * 2 * 4096 * 2 + 4096 * 4 + 128  # x and dy twice, the sums
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.grid == 132 * per_sm
     p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", H100, extra=("true",))

@@ -89,7 +89,7 @@ def col_sums_shapes(op, dtype):
 def variant_shapes(op, dtype, weight=False):
     """(shape, expected variant or None) on this device: every regime, its edges, and the
     issue's edge columns 1, 2, 31, 33, 1023, 1024, 1025 and 10**5 + 3."""
-    edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, weight)
+    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, weight)
     wide = 16 // ITEM[dtype]
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
@@ -283,7 +283,7 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
     monkeypatch.setattr(ln_mod, "_plan", two_groups)
     monkeypatch.setattr(ln_mod, "_launches", {})
     monkeypatch.setattr(ln_mod, "_fresh", {})
-    edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, False)
+    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
     cases = [(1025, Variant.BLOCK_SMEM), (4104, Variant.BLOCK_SMEM),
              (edge // wide * wide, Variant.BLOCK_SMEM)]
@@ -309,7 +309,7 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
 
 def _variant_cases(op, dtype):
     """Columns that reach the warp, block, cluster (Hopper) and uncached kernels."""
-    edge = max_dynamic_smem(spec()) // smem_per_col(op, dtype, True)
+    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, True)
     wide = 16 // ITEM[dtype]
     cases = [1000, 5000, min(edge // wide * wide, 20000)]
     if spec().has_clusters:
