@@ -748,7 +748,8 @@ def test_explain_norm_switches():
     args = ("explain", "layer-norm", "--shape", "2048x65536", "--dtype", "float16",
             "--device", "h100", "--weight", "--bias")
     plain = run(*args).stdout
-    assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, false, false>" in plain
+    # a lone block of 1024 threads: a cluster of two whose blocks share SMs
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false>" in plain
     fused = run(*args, "--residual").stdout
     assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, true, true>" in fused
     assert "overlap            each block" in fused and "overlap" not in plain

@@ -135,6 +135,10 @@ def smem_edge(op, dtype, weight, device):
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_block_smem_boundary(op, dtype, weight):
     extra = ("true",) + OPS[op].extras[-1][1:] if weight else default_extra(op)
+    if OPS[op].split_lone_blocks:
+        # with a residual: a lone block at the edge would go to a cluster without one
+        # (test_lone_blocks_go_to_clusters)
+        extra = extra[:-1] + ("true",)
     assert extra in OPS[op].extras
     edge = smem_edge(op, dtype, weight, H100)
     wide = 16 // ITEM[dtype]
@@ -152,6 +156,35 @@ def test_block_smem_boundary(op, dtype, weight):
     assert plan_rowwise(op, 1000, a_edge, dtype, A100, extra=extra).variant is Variant.BLOCK_SMEM
     assert plan_rowwise(op, 1000, a_edge + wide, dtype, A100,
                         extra=extra).variant is Variant.BLOCK_UNCACHED
+
+
+@pytest.mark.parametrize("op", FWD)
+def test_lone_blocks_go_to_clusters(op):
+    # float16 rows of 65536: one block of 1024 threads per SM (128 KiB) -> two blocks of 512
+    # sharing SMs three at a time (rule 1 of _plan_cluster), OneFlow's waves of clusters
+    p = plan_rowwise(op, 2048, 65536, "float16", H100)
+    assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
+        (Variant.CLUSTER, 2, (512, 1), 32768 * 2 + 128), p
+    assert p.grid == min(2048, 132 * 3 // 2 * _dispatch.WAVES) * 2
+    assert "alone on its SM" in p.notes[-1]
+    assert plan_rowwise(op, 2048, 32768, "float32", H100).variant is Variant.CLUSTER
+    # blocks that share an SM stay: float16 rows of 32768 (3 blocks of 512 threads per SM)
+    p = plan_rowwise(op, 4096, 32768, "float16", H100)
+    assert p.variant is Variant.BLOCK_SMEM and p.threads * H100.model_occupancy(
+        p.threads, p.smem_bytes) > _dispatch.LONE_BLOCK_RESIDENT
+    # a residual keeps the lone block, which loads its next row while it writes this one
+    extra = OPS[op].extras[-1][:-1] + ("true",)
+    p = plan_rowwise(op, 2048, 65536, "float16", H100, extra=extra)
+    assert p.variant is Variant.BLOCK_SMEM and p.overlap
+    # no cluster whose blocks share an SM: the lone block stays; no clusters at all (A100) too
+    p = plan_rowwise(op, 2048, 65536, "float16", H100, lambda plan: 1)
+    assert p.variant is Variant.BLOCK_SMEM and p.threads == 1024
+    assert plan_rowwise(op, 2048, 65536, "float16", A100).variant is Variant.BLOCK_SMEM
+    # other ops keep their lone blocks (measured only for the forward norms)
+    for other, cols in (("softmax", 65536), ("layer_norm_backward", 32768)):  # 128 KiB
+        assert not OPS[other].split_lone_blocks
+        p = plan_rowwise(other, 2048, cols, "float16", H100)
+        assert p.variant is Variant.BLOCK_SMEM and p.threads == 1024, p
 
 
 @pytest.mark.parametrize("op", BWD)

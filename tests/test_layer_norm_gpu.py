@@ -86,17 +86,33 @@ def col_sums_shapes(op, dtype):
     return shapes
 
 
+# The expected variant of a row that one block's shared memory holds alone on its SM, for an op
+# that then prefers a cluster whose blocks share SMs (OpInfo.split_lone_blocks): check_lone.
+LONE = "lone block"
+
+
+def check_lone(plan, residual):
+    """A row at the shared-memory edge: a block alone on its SM. With a residual (which lets
+    the block overlap its rows) or without clusters it stays; else it goes to a cluster whose
+    blocks share SMs where one launches, and says why."""
+    wanted = (Variant.BLOCK_SMEM,) if residual or not spec().has_clusters else \
+        (Variant.BLOCK_SMEM, Variant.CLUSTER)
+    assert plan.variant in wanted, plan
+    assert (plan.variant is Variant.CLUSTER) == any("alone on its SM" in n for n in plan.notes)
+
+
 def variant_shapes(op, dtype, weight=False):
     """(shape, expected variant or None) on this device: every regime, its edges, and the
     issue's edge columns 1, 2, 31, 33, 1023, 1024, 1025 and 10**5 + 3."""
     edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, weight)
     wide = 16 // ITEM[dtype]
+    at_edge = LONE if OPS[op].split_lone_blocks else Variant.BLOCK_SMEM
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
               ((5, 64), Variant.WARP), ((300, 100), Variant.WARP), ((3, 768), Variant.WARP),
               ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
               ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
-              ((2, edge - 1), Variant.BLOCK_SMEM), ((3, edge // wide * wide), Variant.BLOCK_SMEM)]
+              ((2, edge - 1), at_edge), ((3, edge // wide * wide), at_edge)]
     if spec().has_clusters:
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, 3 * edge // wide * wide), Variant.CLUSTER),
@@ -176,7 +192,9 @@ def test_forward_every_variant_and_switch(op, dtype, rng):
             check_forward(op, x, cols, w, b, r, dtype)
             plan = ln_mod.last_plan(op)
             assert plan.extra == tuple("true" if f else "false" for f in (weight, bias, residual))
-            if variant is not None:
+            if variant is LONE:
+                check_lone(plan, residual)
+            elif variant is not None:
                 assert plan.variant is variant, (shape, plan)
 
 
@@ -285,8 +303,7 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
     monkeypatch.setattr(ln_mod, "_fresh", {})
     edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
-    cases = [(1025, Variant.BLOCK_SMEM), (4104, Variant.BLOCK_SMEM),
-             (edge // wide * wide, Variant.BLOCK_SMEM)]
+    cases = [(1025, Variant.BLOCK_SMEM), (4104, Variant.BLOCK_SMEM), (edge // wide * wide, LONE)]
     if spec().has_clusters:
         cases += [((edge // wide + 1) * wide, Variant.CLUSTER),
                   (3 * (edge // wide) * wide + 1, Variant.CLUSTER)]
@@ -301,9 +318,13 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
             r = make((9, cols), dtype, rng) if residual else None
             check_forward(op, x, cols, w, b, r, dtype)
             plan = ln_mod.last_plan(op)
-            assert plan.variant is variant and plan.grid == 2 * plan.cluster, plan
+            if variant is LONE:
+                check_lone(plan, residual)
+            else:
+                assert plan.variant is variant, plan
+            assert plan.grid == 2 * plan.cluster, plan
             # clusters overlap their rows exactly when there is a residual
-            want = overlap[0] if variant is Variant.BLOCK_SMEM else residual
+            want = overlap[0] if plan.variant is Variant.BLOCK_SMEM else residual
             assert plan.overlap is want, plan
 
 
