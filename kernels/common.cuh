@@ -311,13 +311,22 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
   return n;
 }
 
-// The dynamic shared memory from its first kSmemAlign-byte boundary. It begins where the
-// kernel's static shared memory (reduction buffers) ends, which ptxas aligns to 16 bytes only,
-// whatever the declaration asks. Asynchronous copies into a row cache 16 or 48 bytes past a
-// 128-byte boundary measured up to 12 points of copy bandwidth slower on the H100 (RMS norm,
-// float32, 262144 columns over clusters of 16 blocks: 75% of copy, 87% aligned), so kernels
-// that use this ask for kSmemAlign bytes more (OpInfo.smem_align in cukern/_dispatch.py).
+// The dynamic shared memory. It begins where the kernel's static shared memory (reduction
+// buffers) ends, which ptxas aligns to 16 bytes only, whatever the declaration asks.
+// Asynchronous copies into a row cache 16 or 48 bytes past a 128-byte boundary measured up to
+// 12 points of copy bandwidth slower on the H100 (RMS norm, float32, 262144 columns over
+// clusters of 16 blocks: 75% of copy, 87% aligned). The norms' plans ask for kSmemAlign bytes
+// more (OpInfo.smem_align in cukern/_dispatch.py): their cluster kernels, whose static buffers
+// end anywhere, take the dynamic memory from its first kSmemAlign-byte boundary; their block
+// kernels, whose only static buffers are allreduce_block's 64 states (a multiple of 256 bytes,
+// after the 1 KiB the hardware reserves), start on one already and take it as it is (computing
+// the offset measured 1-2 points slower for the instruction-bound float16 layer norm at 2048
+// columns).
 constexpr unsigned kSmemAlign = 128;
+template <typename T> __device__ __forceinline__ T* dynamic_smem() {
+  extern __shared__ uint4 smem_words[];
+  return reinterpret_cast<T*>(smem_words);
+}
 template <typename T> __device__ __forceinline__ T* aligned_dynamic_smem() {
   extern __shared__ uint4 smem_words[];
   const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem_words));

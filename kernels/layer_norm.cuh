@@ -367,12 +367,13 @@ template <int CLUSTER> struct ClusterReduce {
 // back the next loads.)
 template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, typename T,
           typename C, typename Ld, typename St, typename Reduce>
-__device__ __forceinline__ void norm_rows(const Ld& ld, const St& st, const T* x, i64 sx,
-                                          C* mean, C* rstd, C eps, i64 row, i64 rows, i64 step,
-                                          int cols, int p0, int p1, bool writer, Reduce reduce) {
+__device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, const T* x,
+                                          i64 sx, C* mean, C* rstd, C eps, i64 row, i64 rows,
+                                          i64 step, int cols, int p0, int p1, bool writer,
+                                          Reduce reduce) {
   constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
   constexpr int U = RESIDUAL ? 2 : 4;  // packs of the next row in registers per thread
-  const SmemRow<T, C, PACK> cache{aligned_dynamic_smem<T>()};
+  const SmemRow<T, C, PACK> cache{smem};
   const int stride = blockDim.x;
   if (row >= rows) return;  // uniform across the block (and the cluster)
   C k, s;  // the row's shift K (the same in every block) and this thread's sum
@@ -470,9 +471,10 @@ template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL,
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
   BlockReduce reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(ld, st, x, sx, mean, rstd, eps,
-                                                            blockIdx.x, rows, gridDim.x, cols, 0,
-                                                            cols / PACK, true, reduce);
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(dynamic_smem<T>(), ld, st, x, sx,
+                                                            mean, rstd, eps, blockIdx.x, rows,
+                                                            gridDim.x, cols, 0, cols / PACK, true,
+                                                            reduce);
 }
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
@@ -530,7 +532,8 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
   ClusterReduce<CLUSTER> reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(ld, st, x, sx, mean, rstd, eps,
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(aligned_dynamic_smem<T>(), ld, st,
+                                                            x, sx, mean, rstd, eps,
                                                             blockIdx.x / CLUSTER, rows,
                                                             gridDim.x / CLUSTER, cols, p0, p1,
                                                             rank == 0, reduce);
@@ -901,19 +904,19 @@ __device__ __forceinline__ void store_reg_sums(const RegSums<C, PACK>& regs, C* 
 }
 
 // A cached backward kernel's work on slice [p0, p1) (`slice` values, cols for the block kernel)
-// of every `step`-th row from row0, given the dynamic shared memory: one or two buffers of the
+// of every `step`-th row from row0, given the dynamic shared memory (from `base`, which leaves
+// kSmemAlign of its bytes unused or spent on alignment): one or two buffers of the
 // slice of x and dy (two when there is room: see grad_rows), then, with WEIGHT and not REGS,
 // NACC ColSums of the slice (REGS: the sums in registers, RegSums); the column sums end in
 // partial row `prow_index` of dw (and db).
 template <bool LAYER, bool WEIGHT, bool REGS, int PACK, int NSUM, int NACC, typename T,
           typename C, typename Reduce>
-__device__ __forceinline__ void grad_cached(const PairLoad<T, C>& ld,
+__device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
                                             const ScaleLoad<T, C, WEIGHT>& sl,
                                             const Store<C, T, false>& st, const C* mean,
                                             const C* rstd, C* dw, C* db, i64 row0, i64 rows,
                                             i64 step, int cols, int slice, int p0, int p1,
                                             i64 prow_index, Reduce reduce) {
-  T* const base = aligned_dynamic_smem<T>();
   const int slice_packs = slice / PACK;
   constexpr bool in_regs = WEIGHT && REGS;
   if (in_regs && !RegSums<C, PACK>::fits(slice_packs)) __trap();  // the planner sizes blocks
@@ -949,9 +952,10 @@ template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS>
 __global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
   auto reduce = [&](const Sums<C, NSUM>& s, bool) { return allreduce_block(s, phase); };
-  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
-                                                     blockIdx.x, rows, gridDim.x, cols, cols, 0,
-                                                     cols / PACK, blockIdx.x, reduce);
+  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(dynamic_smem<T>(), ld_xdy, ld_g, st, mean,
+                                                     rstd, dw, db, blockIdx.x, rows, gridDim.x,
+                                                     cols, cols, 0, cols / PACK, blockIdx.x,
+                                                     reduce);
 }
 
 // No cache: x and dy are read twice. dx only: with WEIGHT, g = dy * gamma, and dgamma/dbeta
@@ -996,10 +1000,10 @@ layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
     return allreduce_cluster<CLUSTER>(s, phase, last);
   };
-  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(ld_xdy, ld_g, st, mean, rstd, dw, db,
-                                                     blockIdx.x / CLUSTER, rows,
-                                                     gridDim.x / CLUSTER, cols, slice, p0, p1,
-                                                     blockIdx.x / CLUSTER, reduce);
+  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(aligned_dynamic_smem<T>(), ld_xdy, ld_g, st,
+                                                     mean, rstd, dw, db, blockIdx.x / CLUSTER,
+                                                     rows, gridDim.x / CLUSTER, cols, slice, p0,
+                                                     p1, blockIdx.x / CLUSTER, reduce);
 }
 #endif
 
