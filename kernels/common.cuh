@@ -640,7 +640,8 @@ __device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last) 
   cluster_sync();  // every block's state is written
   if (tid < 32) {
     const unsigned lane = tid;
-    const S w = allreduce_group(lane < CLUSTER ? S::remote(cluster_map(&slot[b], lane)) : S::identity(), 32);
+    const S ranks = lane < CLUSTER ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
+    const S w = allreduce_group(ranks, 32);
     if (lane == 0) result[b] = w;
   }
   if (last) {
