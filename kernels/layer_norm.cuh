@@ -998,7 +998,7 @@ layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
   auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
-    return allreduce_cluster<CLUSTER>(s, phase, last);
+    return allreduce_cluster_async<CLUSTER>(s, phase, last);
   };
   grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(aligned_dynamic_smem<T>(), ld_xdy, ld_g, st,
                                                      mean, rstd, dw, db, blockIdx.x / CLUSTER,
