@@ -714,7 +714,9 @@ __device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last) 
 // them from its own shared memory (the same states in the same butterfly: bit-identical results
 // in every block). A cluster barrier only on the first call (every block's mbarriers initialised
 // before anyone sends) and the last (`last`: no block exits while a store to it may be on its
-// way). Two inboxes, each with its mbarrier, picked by `phase`: a peer sends to inbox b again two
+// way). A peer's bytes may land before this block announces them (mbarrier_arrive_expect): the
+// barrier's transaction count then runs below zero, and the phase still waits for the arrival.
+// Two inboxes, each with its mbarrier, picked by `phase`: a peer sends to inbox b again two
 // calls later, once its own wait has seen this block's state of the call between, which this
 // block sends past the block barrier in allreduce_block, which each of its warps reaches after
 // reading inbox b. `phase` must count only this function's calls (from 0), the same in every
