@@ -416,13 +416,14 @@ def _plan_overlap(plan: Plan, per_sm: int, widest: int, device: DeviceSpec, occ:
                   rows: int) -> Plan:
     """A block kernel whose blocks may overlap their rows (Plan.overlap): they do where
     ``plan``, OneFlow's blocks that take turns at memory (``per_sm`` of them resident on an
-    SM), leaves at most OVERLAP_RESIDENT threads on an SM. Then the block is the widest the row allows (``widest``) that runs,
-    whatever that does to blocks per SM, and a block alone on its SM loops over rows in one
-    wave. Measured on the H100, norms with a residual (% of copy): float32 layer norm at 8192
-    and 16384 columns 85 -> 95 (OneFlow's 3-6 blocks of 128-256 threads: 768 an SM), float16
-    at 65536 and float32 at 32768 87-90 -> 94-95 (one block of 1024 threads); where OneFlow's
-    blocks fill 1280 threads or more (16-bit rows up to 32768, float32 up to 4096, RMS float32
-    up to 16384) they stay, at 95-98 (overlapping blocks measured 1-4 points either side)."""
+    SM), leaves at most OVERLAP_RESIDENT threads on an SM. Then the block is the widest the row
+    allows (``widest``) that runs, whatever that does to blocks per SM, and a block alone on its
+    SM loops over rows in one wave. Measured on the H100, norms with a residual (% of copy):
+    float32 layer norm at 8192 and 16384 columns 85 -> 95 (OneFlow's 3-6 blocks of 128-256
+    threads: 768 an SM), float16 at 65536 and float32 at 32768 87-90 -> 94-95 (one block of
+    1024 threads); where OneFlow's blocks fill 1280 threads or more (16-bit rows up to 32768,
+    float32 up to 4096, RMS float32 up to 16384) they stay, at 95-98 (overlapping blocks
+    measured 1-4 points either side)."""
     if per_sm * plan.threads > OVERLAP_RESIDENT:
         return _replace(plan, grid=num_blocks(device, plan.threads, rows))
     for threads in BLOCK_SIZES + (128,):

@@ -489,8 +489,8 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 }
 // This thread's arrival on this block's barrier, announcing `bytes` more to come this phase.
 __device__ __forceinline__ void mbarrier_arrive_expect(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
-               "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(shared_address(bar)), "r"(bytes) : "memory");
 }
 // Waits until the phase of parity `parity` of this block's barrier completes. The stores it
 // counted landed in this block's own shared memory and are visible once the phase completes (as
@@ -557,8 +557,9 @@ __device__ __forceinline__ MaxSum<T, C> cluster_allreduce(MaxSum<T, C> v) {
 //   static S identity();  static S merge(const S& a, const S& b);
 //   S shfl_xor(int mask) const;          (every lane of the warp calls it)
 //   static S remote(unsigned addr);      (reads a state from another block's shared memory)
-//   void put_remote(unsigned addr, unsigned bar) const;  (stores every field to another block's
-//       shared memory with cluster_store_async: sizeof(S) bytes counted off `bar` there)
+//   void put_remote(unsigned addr, unsigned bar) const;  (allreduce_cluster_async only: stores
+//       every field to another block's shared memory with cluster_store_async, sizeof(S) bytes
+//       counted off `bar` there)
 // merge must be commutative bit for bit (merge(a, b) == merge(b, a) exactly), so that both
 // lanes of a butterfly step, and every warp reducing the same partials, end with bit-identical
 // results with no lane-dependent operand order (which would diverge the warp).
@@ -642,11 +643,6 @@ template <typename C> struct Welford {
   static __device__ __forceinline__ Welford remote(unsigned addr) {
     return Welford{cluster_load(addr, C()), cluster_load(addr + sizeof(C), C()),
                    cluster_load(addr + 2 * sizeof(C), C())};
-  }
-  __device__ __forceinline__ void put_remote(unsigned addr, unsigned bar) const {
-    cluster_store_async(addr, n, bar);
-    cluster_store_async(addr + sizeof(C), mean, bar);
-    cluster_store_async(addr + 2 * sizeof(C), m2, bar);
   }
 };
 
