@@ -283,15 +283,18 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   return a;
 }
-template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src) {
+// dst: a shared-memory address (shared_address), which a loop can compute once.
+template <int BYTES> __device__ __forceinline__ void cp_async_to(unsigned dst, const void* src) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async moves 4, 8 or 16 bytes");
   if (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)),
-                 "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(shared_address(dst)),
-                 "l"(src), "n"(BYTES) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(BYTES)
+                 : "memory");
   }
+}
+template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  cp_async_to<BYTES>(shared_address(dst), src);
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -674,26 +677,25 @@ template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned
   return allreduce_group(static_cast<int>(lane) < nwarps ? slots[lane] : S::identity(), 32);
 }
 
-// All-reduce over a whole cluster (sm_90): the block's state (allreduce_block), then warp 0 of
-// each block merges the blocks' states from distributed shared memory in rank order (every block
-// gets bit-identical results) and hands the result to its block. Two buffers, picked by `phase`
-// as in allreduce_block: a block rewrites a buffer two calls later, past a cluster barrier that
-// every warp 0 reading it in the earlier call reached after its reads, so one cluster barrier a
-// call is enough. Only the final call (`last`, the same in every block) waits for every block's
-// reads with a second one, so that no block exits while another still reads its state. Every
-// thread of every block must call it, with the same `phase`.
+// Merges the blocks' states over a whole cluster (sm_90), given each block's state (the same in
+// every thread of the block): warp 0 of each block merges them from distributed shared memory
+// in rank order (every block gets bit-identical results) and hands the result to its block.
+// Two buffers, picked by `b` (alternating from call to call, from 0): a block rewrites a buffer
+// two calls later, past a cluster barrier that every warp 0 reading it in the earlier call
+// reached after its reads, so one cluster barrier a call is enough. Only the final call
+// (`last`, the same in every block) waits for every block's reads with a second one, so that no
+// block exits while another still reads its state. Every thread of every block must call it.
 template <int CLUSTER, typename S>
-__device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last) {
+__device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last) {
   __shared__ S slot[2], result[2];
-  const unsigned b = phase & 1u;
-  v = allreduce_block(v, phase);
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
   if (tid == 0) slot[b] = v;
   cluster_sync();  // every block's state is written
   if (tid < 32) {
     const unsigned lane = tid;
+    // groups of CLUSTER lanes: the first holds every rank's state
     const S ranks = lane < CLUSTER ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
-    const S w = allreduce_group(ranks, 32);
+    const S w = allreduce_group(ranks, CLUSTER);
     if (lane == 0) result[b] = w;
   }
   if (last) {
@@ -702,6 +704,15 @@ __device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last) 
     __syncthreads();  // result[b] written
   }
   return result[b];
+}
+
+// All-reduce over a whole cluster: the block's state (allreduce_block), then merge_cluster, each
+// call with its buffer picked by `phase` (as in allreduce_block). Every thread of every block
+// must call it, with the same `phase`.
+template <int CLUSTER, typename S>
+__device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last) {
+  const unsigned b = phase & 1u;
+  return merge_cluster<CLUSTER>(allreduce_block(v, phase), b, last);
 }
 
 // The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
@@ -745,7 +756,8 @@ __device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool 
   }
   mbarrier_wait(&arrived[b], (call >> 1) & 1u);
   const int lane = static_cast<int>(lane_id());
-  const S w = allreduce_group(lane < CLUSTER ? inbox[b][lane] : S::identity(), 32);
+  // every group of CLUSTER lanes merges all the states, in the same order
+  const S w = allreduce_group(inbox[b][lane % CLUSTER], CLUSTER);
   if (last) cluster_sync();
   return w;
 }
