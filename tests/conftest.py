@@ -91,7 +91,8 @@ def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
     no way fits: sums in shared memory or (slices of at most reg_sum_packs * 1024 packs, the
     block widened to cover the slice) in registers, x and dy in two buffers or one; the first
     of those four ways that keeps two blocks per SM, else the first with two buffers, else the
-    first that fits."""
+    first that fits; for one block (size 1), register sums first where each thread holds one
+    pack."""
     import itertools
 
     from cukern import _dispatch
@@ -117,6 +118,8 @@ def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
             found.append(((threads, smem, in_regs), per_sm, two))
     if not found:
         return None
+    if size == 1 and packs <= min(f[0][0] for f in found):
+        found = [f for f in found if f[0][2]] + [f for f in found if not f[0][2]]
     pick = next((f for f in found if f[1] >= 2), None) or \
         next((f for f in found if f[2]), None) or found[0]
     return pick[0]

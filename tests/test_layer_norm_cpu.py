@@ -226,6 +226,10 @@ def test_col_sums_shared_memory(op, dtype):
     rms = op == "rms_norm_backward"
     assert (one_per_sm.smem_bytes, one_per_sm.sums_in_registers) == \
         (4 * 2 * 16384 + (4 * 16384 if rms else 0) + 128, not rms)
+    # one pack a thread (1024 columns, 128 threads): the sums in registers
+    p = plan_rowwise(op, 1000, 1024, "float16", H100, extra=("true",))
+    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
+        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 1024 + 128, True)
 
 
 @pytest.mark.parametrize("op", BWD)
