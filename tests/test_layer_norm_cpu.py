@@ -47,6 +47,8 @@ WARP_TABLE = [
     (32, 9, "float32", 4, 8, 4, 1, False),
     (33, 9, "float32", 1, 32, 2, 1, True),
     (64, 4, "float16", 8, 8, 8, 2, False),
+    (24, 4, "float16", 8, 4, 8, 2, True),  # 3 packs of 8
+    (40, 4, "float16", 8, 8, 8, 2, True),  # 5 packs of 8
     (100, 4, "float32", 4, 32, 4, 2, True),
     (129, 4, "float32", 1, 32, 8, 1, True),  # 5 packs of 1 -> 8
     (256, 4, "float16", 8, 32, 8, 2, False),
@@ -60,9 +62,18 @@ WARP_TABLE = [
 ]
 
 
+# The forward norms (OpInfo.two_packs_a_lane): rows of 3..8 full 16-byte packs take two packs of
+# one row a lane, where the table (OneFlow's rule) has one pack of each of two rows.
+TWO_PACKS = {(32, "float16"): (2, 16, 1, False), (32, "float32"): (4, 8, 1, False),
+             (64, "float16"): (4, 16, 1, False), (24, "float16"): (2, 16, 1, True),
+             (40, "float16"): (4, 16, 1, True)}
+
+
 @pytest.mark.parametrize("op", NORM_OPS)
 @pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
 def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
+    if OPS[op].two_packs_a_lane and (cols, dtype) in TWO_PACKS:
+        width, cpt, rpa, padding = TWO_PACKS[(cols, dtype)]
     # rows + LONG: the same parity on a grid long enough for OneFlow's rows_per_access rule
     p = plan_rowwise(op, rows + LONG, cols, dtype, H100)
     assert p.variant is Variant.WARP

@@ -111,7 +111,8 @@ def variant_shapes(op, dtype, weight=False):
     at_edge = LONE if OPS[op].split_lone_blocks else Variant.BLOCK_SMEM
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
-              ((5, 64), Variant.WARP), ((300, 100), Variant.WARP), ((3, 768), Variant.WARP),
+              ((5, 64), Variant.WARP), ((6, 24), Variant.WARP), ((7, 40), Variant.WARP),
+              ((300, 100), Variant.WARP), ((3, 768), Variant.WARP),
               ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
               ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
               ((2, edge - 1), at_edge), ((3, edge // wide * wide), at_edge)]
