@@ -117,7 +117,8 @@ class OpInfo:
     # rows (warp_shape). Measured on the H100 (% of copy, forward norms): layer norm float16 at
     # 64 columns 95.0 -> 96.4, bfloat16 94.5 -> 96.7, float32 at 32 95.9 -> 97.0, RMS norm
     # 97.1 -> 98.0 and 98.0 -> 98.9; 16-bit at 32 columns 93.3 -> 93.4-93.9. From 16 packs a
-    # row (a group of 8 lanes) it measured 0.4-0.6 points slower.
+    # row (a group of 8 lanes) it measured 0.4-0.6 points slower, and with a residual (x and
+    # the residual loaded, h stored) 2-3.5 points slower at 32-64 columns: not then.
     two_packs_a_lane: bool = False
 
 
@@ -295,6 +296,13 @@ def pack_size(dtype: str, cols: int, align_elems: int, strided: bool) -> int:
     return p
 
 
+def _two_packs(info: OpInfo, extra: tuple[str, ...], pack_bytes: int) -> bool:
+    """Whether warp_shape gives rows of 3..8 packs two packs a lane (OpInfo.two_packs_a_lane):
+    full 16-byte packs, and no residual (the overlap switch)."""
+    residual = info.overlap_switch >= 0 and extra[info.overlap_switch] == "true"
+    return info.two_packs_a_lane and pack_bytes == 16 and not residual
+
+
 def warp_shape(cols: int, pack: int, rows: int, pow2: bool = False,
                two_packs: bool = False) -> tuple[int, int, int, bool]:
     """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel.
@@ -365,7 +373,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
     # against 87-93% for the block kernel at 2048.
     if cols <= (WARP_MAX_COLS_WITH_SUMS if col_sums else WARP_MAX_COLS):
         width, cpt, rpa, padding = warp_shape(cols, pack, rows, pow2=info.runtime_shape,
-                                              two_packs=info.two_packs_a_lane and pack * item == 16)
+                                              two_packs=_two_packs(info, extra, pack * item))
         block = (width, WARP_BLOCK_THREADS // width)
         resident = device.sms * (device.max_threads_per_sm // WARP_BLOCK_THREADS)
         if rpa == 2 and -(-rows // block[1]) <= SHORT_GRID_WAVES * resident:
@@ -659,7 +667,7 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
             for rows in (1, 2):
                 width, cpt, rpa, padding = warp_shape(
                     cols, pack, rows, pow2=info.runtime_shape,
-                    two_packs=info.two_packs_a_lane and pack * ITEMSIZE[dtype] == 16)
+                    two_packs=_two_packs(info, extra, pack * ITEMSIZE[dtype]))
                 names.add(Plan(variant=Variant.WARP, cols_per_thread=cpt,
                                thread_group_width=width, rows_per_access=rpa, padding=padding,
                                block=(width, WARP_BLOCK_THREADS // width), smem_bytes=0,

@@ -84,6 +84,11 @@ def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
     assert npacks & (npacks - 1) == 0  # a power of two
     assert cpt * width >= cols  # every column has a slot
     assert cols <= pack * width or cpt // 2 * width < cols  # and not twice as many as needed
+    if OPS[op].two_packs_a_lane:  # not with a residual: OneFlow's shape
+        extra = ("false",) * (len(OPS[op].extras[0]) - 1) + ("true",)
+        p = plan_rowwise(op, rows + LONG, cols, dtype, H100, extra=extra)
+        assert (p.thread_group_width, p.cols_per_thread, p.rows_per_access, p.padding) == \
+            next(row[4:] for row in WARP_TABLE if row[:3] == (cols, rows, dtype))
     assert p.smem_bytes == 0
 
 
