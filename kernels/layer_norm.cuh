@@ -124,18 +124,39 @@ template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
 };
 
 // g = dy * gamma (dy when there is no weight). load2 also returns dy itself, which the dgamma and
-// dbeta sums need.
-template <typename T, typename C, bool WEIGHT> struct ScaleLoad {
+// dbeta sums need. CACHED: gamma is read at `cached`, already converted, in shared memory and
+// indexed by column (grad_cached), instead of from memory and converted at every use.
+template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct ScaleLoad {
   Load<T, C, false> dy, gamma;
+  const C* cached;
   template <int N> __device__ __forceinline__ void scale(const C* d, C* g, int col) const {
     if (WEIGHT) {
       C w[N];
-      gamma.template load<N>(w, 0, col);
+      if constexpr (CACHED) {
+        load_cached<N>(w, col);
+      } else {
+        gamma.template load<N>(w, 0, col);
+      }
 #pragma unroll
       for (int i = 0; i < N; ++i) g[i] = d[i] * w[i];
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) g[i] = d[i];
+    }
+  }
+  template <int N> __device__ __forceinline__ void load_cached(C* w, int col) const {
+    if constexpr (sizeof(C) == 4 && N % 4 == 0) {  // 16-byte shared loads
+#pragma unroll
+      for (int j = 0; j < N; j += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(cached + col + j);
+        w[j] = v.x;
+        w[j + 1] = v.y;
+        w[j + 2] = v.z;
+        w[j + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) w[j] = cached[col + j];
     }
   }
   template <int N> __device__ __forceinline__ void load2(C* d, C* g, i64 row, int col) const {
@@ -583,7 +604,7 @@ layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   constexpr int NSUM = LAYER ? 2 : 1;              /* row sums: g * xhat (and g) */            \
   constexpr int NACC = LAYER ? 2 : 1;              /* column sums: dy * xhat (and dy) */       \
   const Load<T, C, false> ld_x{x, rows_at(sx)};                                                \
-  const ScaleLoad<T, C, WEIGHT> ld_g{{dy, rows_at(sdy)}, {gamma, rows_at(0)}};                 \
+  const ScaleLoad<T, C, WEIGHT> ld_g{{dy, rows_at(sdy)}, {gamma, rows_at(0)}, nullptr};        \
   const PairLoad<T, C> ld_xdy{{x, rows_at(sx)}, {dy, rows_at(sdy)}};                           \
   const Store<C, T, false> st{dx, rows_at(sdx)};                                               \
   (void)ld_x;                                                                                  \
@@ -786,9 +807,8 @@ template <typename C, int PACK> struct RegSums {
 // (dy * xhat, and dy for layer norm) into the registers of this thread's j-th pack (IN_REGS;
 // j must then be a compile-time constant after unrolling) or into shared memory at slice-local
 // pack q.
-template <bool LAYER, bool SUMS, bool IN_REGS, int PACK, typename T, typename C, int NSUM,
-          bool WEIGHT>
-__device__ __forceinline__ void grad_fold(const ScaleLoad<T, C, WEIGHT>& sl,
+template <bool LAYER, bool SUMS, bool IN_REGS, int PACK, typename SL, typename C, int NSUM>
+__device__ __forceinline__ void grad_fold(const SL& sl,
                                           const ColSums<C, PACK>& acc_w,
                                           const ColSums<C, PACK>& acc_b, RegSums<C, PACK>& regs,
                                           int p, int q, int j, const C* xv, const C* d, C m, C rs,
@@ -820,9 +840,8 @@ __device__ __forceinline__ void grad_fold(const ScaleLoad<T, C, WEIGHT>& sl,
 // them), the next row's copies are issued before this row's reduction and dx pass, so they
 // overlap. Every thread reads back only packs it copied itself: no barrier guards the cache.
 template <bool LAYER, bool SUMS, bool IN_REGS, int PACK, int NSUM, typename T, typename C,
-          bool WEIGHT, typename Reduce>
-__device__ __forceinline__ void grad_rows(const PairLoad<T, C>& ld,
-                                          const ScaleLoad<T, C, WEIGHT>& sl,
+          typename SL, typename Reduce>
+__device__ __forceinline__ void grad_rows(const PairLoad<T, C>& ld, const SL& sl,
                                           const Store<C, T, false>& st, T* cache, int slice,
                                           bool two, const ColSums<C, PACK>& acc_w,
                                           const ColSums<C, PACK>& acc_b, RegSums<C, PACK>& regs,
@@ -936,44 +955,31 @@ __device__ __forceinline__ void store_reg_sums(const RegSums<C, PACK>& regs, C* 
   }
 }
 
-// A cached backward kernel's work on slice [p0, p1) (`slice` values, cols for the block kernel)
-// of every `step`-th row from row0, given the dynamic shared memory (from `base`, which leaves
-// kSmemAlign of its bytes unused or spent on alignment): one or two buffers of the
-// slice of x and dy (two when there is room: see grad_rows), then, with WEIGHT and not REGS,
-// NACC ColSums of the slice (REGS: the sums in registers, RegSums); the column sums end in
-// partial row `prow_index` of dw (and db).
-template <bool LAYER, bool WEIGHT, bool REGS, int PACK, int NSUM, int NACC, typename T,
-          typename C, typename Reduce>
-__device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
-                                            const ScaleLoad<T, C, WEIGHT>& sl,
-                                            const Store<C, T, false>& st, const C* mean,
-                                            const C* rstd, C* dw, C* db, i64 row0, i64 rows,
-                                            i64 step, int cols, int slice, int p0, int p1,
-                                            i64 prow_index, Reduce reduce) {
-  const int slice_packs = slice / PACK;
-  constexpr bool in_regs = WEIGHT && REGS;
-  if (in_regs && !RegSums<C, PACK>::fits(slice_packs)) __trap();  // the planner sizes blocks
-  const unsigned acc_bytes = WEIGHT && !in_regs ? NACC * slice * sizeof(C) : 0;
-  const bool two = dynamic_smem_bytes() >= kSmemAlign + 4u * slice * sizeof(T) + acc_bytes;
-  C* const acc = reinterpret_cast<C*>(base + (two ? 4 : 2) * static_cast<i64>(slice));
-  const ColSums<C, PACK> acc_w{acc, slice_packs}, acc_b{acc + (NACC - 1) * slice, slice_packs};
+// The rows loop of a cached backward with weight, and its column sums: in registers (IN_REGS,
+// RegSums) or in shared memory (acc_w, acc_b), written to partial row `prow` of dw (and db) at
+// the end. `sl`: gamma from memory or, cached, from shared memory.
+template <bool LAYER, bool IN_REGS, int PACK, int NSUM, typename T, typename C, typename SL,
+          typename Reduce>
+__device__ __forceinline__ void grad_weighted(const PairLoad<T, C>& ld, const SL& sl,
+                                              const Store<C, T, false>& st, T* base, int slice,
+                                              bool two, const ColSums<C, PACK>& acc_w,
+                                              const ColSums<C, PACK>& acc_b, const C* mean,
+                                              const C* rstd, C* dw, C* db, i64 row0, i64 rows,
+                                              i64 step, int cols, int p0, int p1, i64 prow,
+                                              Reduce reduce) {
   RegSums<C, PACK> regs;
-  const i64 prow = prow_index * cols;
-  if (!WEIGHT) {
-    grad_rows<LAYER, false, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
-                                               rstd, row0, rows, step, cols, p0, p1, reduce);
-  } else if constexpr (in_regs) {
+  if constexpr (IN_REGS) {
     regs.zero();
-    grad_rows<LAYER, true, true, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
-                                             rstd, row0, rows, step, cols, p0, p1, reduce);
+    grad_rows<LAYER, true, true, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs,
+                                             mean, rstd, row0, rows, step, cols, p0, p1, reduce);
     store_reg_sums<LAYER, PACK>(regs, dw + prow, LAYER ? db + prow : nullptr, p0, p1);
   } else {
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       acc_w.zero(p - p0);
       if (LAYER) acc_b.zero(p - p0);
     }
-    grad_rows<LAYER, true, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs, mean,
-                                              rstd, row0, rows, step, cols, p0, p1, reduce);
+    grad_rows<LAYER, true, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs,
+                                              mean, rstd, row0, rows, step, cols, p0, p1, reduce);
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       acc_w.copy_to(p - p0, dw + prow + p * PACK);
       if (LAYER) acc_b.copy_to(p - p0, db + prow + p * PACK);
@@ -981,14 +987,60 @@ __device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
   }
 }
 
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS>
+// A cached backward kernel's work on slice [p0, p1) (`slice` values, cols for the block kernel)
+// of every `step`-th row from row0, given the dynamic shared memory (from `base`, which leaves
+// kSmemAlign of its bytes unused or spent on alignment): one or two buffers of the slice of x
+// and dy (two when there is room: see grad_rows), then, with WEIGHT and not REGS, NACC ColSums
+// of the slice (REGS: the sums in registers, RegSums), then, with GAMMA, gamma over the slice in
+// the compute type, converted once (not loaded and converted twice an element); the column
+// sums end in partial row `prow_index` of dw (and db).
+template <bool LAYER, bool WEIGHT, bool REGS, bool GAMMA, int PACK, int NSUM, int NACC,
+          typename T, typename C, typename Reduce>
+__device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
+                                            const ScaleLoad<T, C, WEIGHT>& sl,
+                                            const Store<C, T, false>& st, const C* mean,
+                                            const C* rstd, C* dw, C* db, i64 row0, i64 rows,
+                                            i64 step, int cols, int slice, int p0, int p1,
+                                            i64 prow_index, Reduce reduce) {
+  static_assert(WEIGHT || !GAMMA, "GAMMA caches the weight");
+  const int slice_packs = slice / PACK;
+  constexpr bool in_regs = WEIGHT && REGS;
+  if (in_regs && !RegSums<C, PACK>::fits(slice_packs)) __trap();  // the planner sizes blocks
+  const unsigned acc_bytes = WEIGHT && !in_regs ? NACC * slice * sizeof(C) : 0;
+  const unsigned after = acc_bytes + (GAMMA ? slice * sizeof(C) : 0);  // after x and dy
+  const bool two = dynamic_smem_bytes() >= kSmemAlign + 4u * slice * sizeof(T) + after;
+  C* const acc = reinterpret_cast<C*>(base + (two ? 4 : 2) * static_cast<i64>(slice));
+  const ColSums<C, PACK> acc_w{acc, slice_packs}, acc_b{acc + (NACC - 1) * slice, slice_packs};
+  const i64 prow = prow_index * cols;
+  if constexpr (!WEIGHT) {
+    RegSums<C, PACK> regs;
+    grad_rows<LAYER, false, false, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, regs,
+                                               mean, rstd, row0, rows, step, cols, p0, p1,
+                                               reduce);
+  } else if constexpr (GAMMA) {
+    C* const g = acc + acc_bytes / sizeof(C);
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
+      sl.gamma.template load<PACK>(g + (p - p0) * PACK, 0, p * PACK);
+    }
+    __syncthreads();
+    const ScaleLoad<T, C, true, true> cached{sl.dy, sl.gamma, g - p0 * PACK};  // by column
+    grad_weighted<LAYER, in_regs, PACK, NSUM>(ld, cached, st, base, slice, two, acc_w, acc_b,
+                                              mean, rstd, dw, db, row0, rows, step, cols, p0,
+                                              p1, prow, reduce);
+  } else {
+    grad_weighted<LAYER, in_regs, PACK, NSUM>(ld, sl, st, base, slice, two, acc_w, acc_b, mean,
+                                              rstd, dw, db, row0, rows, step, cols, p0, p1, prow,
+                                              reduce);
+  }
+}
+
+template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS, bool GAMMA>
 __global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
   auto reduce = [&](const Sums<C, NSUM>& s, bool) { return allreduce_block(s, phase); };
-  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(dynamic_smem<T>(), ld_xdy, ld_g, st, mean,
-                                                     rstd, dw, db, blockIdx.x, rows, gridDim.x,
-                                                     cols, cols, 0, cols / PACK, blockIdx.x,
-                                                     reduce);
+  grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
+      dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x, rows, gridDim.x, cols,
+      cols, 0, cols / PACK, blockIdx.x, reduce);
 }
 
 // No cache: x and dy are read twice. dx only: with WEIGHT, g = dy * gamma, and dgamma/dbeta
@@ -1022,7 +1074,7 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NO
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // Each block of the cluster caches its slice of the row (see grad_cached); the cluster's
 // partial row of column sums is written by its blocks, a slice each.
-template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS>
+template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS, bool GAMMA>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   CUKERN_NORM_BWD_SETUP;
@@ -1033,10 +1085,9 @@ layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
   auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
     return allreduce_cluster_async<CLUSTER>(s, phase, last);
   };
-  grad_cached<LAYER, WEIGHT, REGS, PACK, NSUM, NACC>(aligned_dynamic_smem<T>(), ld_xdy, ld_g, st,
-                                                     mean, rstd, dw, db, blockIdx.x / CLUSTER,
-                                                     rows, gridDim.x / CLUSTER, cols, slice, p0,
-                                                     p1, blockIdx.x / CLUSTER, reduce);
+  grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
+      aligned_dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x / CLUSTER, rows,
+      gridDim.x / CLUSTER, cols, slice, p0, p1, blockIdx.x / CLUSTER, reduce);
 }
 #endif
 

@@ -85,14 +85,15 @@ def warm_kernels():
 
 
 def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
-    """(threads, smem_bytes, sums_in_registers) of one block of a backward with column sums
-    (dweight, dbias) over a slice of a row of ``cols`` split in ``size`` blocks, by the rule
-    documented in ``_dispatch._plan_col_sums`` with the device model's occupancy, or None when
-    no way fits: sums in shared memory or (slices of at most reg_sum_packs * 1024 packs, the
-    block widened to cover the slice) in registers, x and dy in two buffers or one; the first
-    of those four ways that keeps two blocks per SM, else the first with two buffers, else the
-    first that fits; for one block (size 1), register sums first where each thread holds one
-    pack."""
+    """(threads, smem_bytes, sums_in_registers, gamma_in_smem) of one block of a backward with
+    column sums (dweight, dbias) over a slice of a row of ``cols`` split in ``size`` blocks, by
+    the rule documented in ``_dispatch._plan_col_sums`` with the device model's occupancy, or
+    None when no way fits: sums in shared memory or (slices of at most reg_sum_packs * 1024
+    packs, the block widened to cover the slice) in registers, x and dy in two buffers or one;
+    the first of those four ways that keeps two blocks per SM, else the first with two
+    buffers, else the first that fits; for one block (size 1), register sums first where each
+    thread holds one pack. Then, with two buffers and a float compute type, gamma as floats
+    beside them where that fits and keeps as many blocks per SM."""
     import itertools
 
     from cukern import _dispatch
@@ -122,4 +123,9 @@ def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
         found = [f for f in found if f[0][2]] + [f for f in found if not f[0][2]]
     pick = next((f for f in found if f[1] >= 2), None) or \
         next((f for f in found if f[2]), None) or found[0]
-    return pick[0]
+    (threads, smem, in_regs), per_sm, two = pick
+    with_gamma = smem + 4 * packs * pack
+    if two and csize == 4 and with_gamma <= _dispatch.max_dynamic_smem(device) and \
+            device.model_occupancy(threads, with_gamma) >= per_sm:
+        return threads, with_gamma, in_regs, True
+    return threads, smem, in_regs, False

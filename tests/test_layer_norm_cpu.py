@@ -103,11 +103,14 @@ def test_name_expressions():
     p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, extra=("true",))
     assert p.variant is Variant.CLUSTER
     regs = "true" if p.sums_in_registers else "false"
+    gamma = "true" if p.gamma_in_smem else "false"
     assert p.name_expression() == \
-        f"cukern::layer_norm_grad_cluster<float, 0, 4, {p.cluster}, true, {regs}>"
-    # the last argument: whether the column sums live in registers (never without a weight)
+        f"cukern::layer_norm_grad_cluster<float, 0, 4, {p.cluster}, true, {regs}, {gamma}>"
+    # the last two arguments: whether the column sums live in registers, and gamma in shared
+    # memory (neither without a weight)
     p = plan_rowwise("rms_norm_backward", 8, 3000, "float64", A100)
-    assert p.name_expression() == "cukern::layer_norm_grad_block_smem<double, 1, 2, false, false>"
+    assert p.name_expression() == \
+        "cukern::layer_norm_grad_block_smem<double, 1, 2, false, false, false>"
     # the default extra is the first listed: no weight, no bias, no residual
     assert plan_rowwise("layer_norm", 4, 64, "float32", H100).extra == ("false",) * 3
     assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).extra == ("false",)
@@ -216,18 +219,20 @@ def test_col_sums_shared_memory(op, dtype):
         if not fits:
             assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
             continue
-        size, (threads, smem, in_regs) = fits[0]
+        size, (threads, smem, in_regs, gamma) = fits[0]
         assert p.variant is (Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER), (cols, p)
-        assert (p.cluster, p.threads, p.smem_bytes, p.sums_in_registers) == \
-            (size, threads, smem, in_regs), (cols, p)
-        assert p.name_expression().endswith(", true, " + ("true>" if in_regs else "false>"))
+        assert (p.cluster, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem) == \
+            (size, threads, smem, in_regs, gamma), (cols, p)
+        assert p.name_expression().endswith(f", true, {str(in_regs).lower()}, "
+                                            f"{str(gamma).lower()}>")
         per_sm = H100.model_occupancy(threads, smem)
         assert p.grid == min(1000 * size, 132 * per_sm // size * size)
-    # short rows: sums in shared memory, x and dy double-buffered, several blocks per SM
+    # short rows: sums in shared memory, x and dy double-buffered, several blocks per SM (gamma
+    # beside them would cost one: 6 -> 5 for layer norm, 9 -> 7 for RMS norm)
     p = plan_rowwise(op, 1000, 2048, "float16", H100, extra=("true",))
     sums = OPS[op].col_sums * 4 * 2048
-    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
-        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 2048 + sums + 128, False)
+    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem) == \
+        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 2048 + sums + 128, False, False)
     # float16 rows of 16384: the sums leave shared memory to x and dy, 1024 threads holding
     # 2 packs' sums each; the model (threads and shared memory) sees room for two such blocks
     # per SM, so one buffer. (A live device's occupancy counts registers too: one block, and
@@ -239,13 +244,21 @@ def test_col_sums_shared_memory(op, dtype):
                               extra=("true",))
     # two buffers of x and dy; beside them, RMS norm's one row of sums still fits, layer
     # norm's two do not
+    # norm's two do not; then gamma as floats beside layer norm's buffers (RMS norm's sums leave
+    # it no room)
     rms = op == "rms_norm_backward"
-    assert (one_per_sm.smem_bytes, one_per_sm.sums_in_registers) == \
-        (4 * 2 * 16384 + (4 * 16384 if rms else 0) + 128, not rms)
-    # one pack a thread (1024 columns, 128 threads): the sums in registers
+    assert (one_per_sm.smem_bytes, one_per_sm.sums_in_registers,
+            one_per_sm.gamma_in_smem) == (4 * 2 * 16384 + 4 * 16384 + 128, not rms, not rms)
+    # one pack a thread (1024 columns, 128 threads): the sums in registers, gamma in shared
+    # memory (16 blocks per SM either way)
     p = plan_rowwise(op, 1000, 1024, "float16", H100, extra=("true",))
-    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
-        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 1024 + 128, True)
+    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem) == \
+        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 1024 + 4 * 1024 + 128, True, True)
+    # no gamma in shared memory for float64 (its compute type), nor with one buffer
+    p = plan_rowwise(op, 1000, 1024, "float64", H100, lambda plan: 1, extra=("true",))
+    assert p.variant is Variant.BLOCK_SMEM and not p.gamma_in_smem
+    single = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
+    assert single.smem_bytes == 2 * 2 * 16384 + 128 and not single.gamma_in_smem
 
 
 @pytest.mark.parametrize("op", BWD)

@@ -505,6 +505,67 @@ def test_backward_every_variant(op, dtype, weight, rng):
             assert plan.variant is variant, (shape, plan)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("op", BWD)
+def test_backward_gamma_in_shared_memory_both_ways(op, dtype, rng, monkeypatch):
+    """The cached backward with a weight reads gamma from a float copy in shared memory where
+    the planner finds room for it (Plan.gamma_in_smem), else from memory: every block and
+    cluster shape here both ways (a cluster with no room for the copy doubled until it has
+    some), one or two buffers, packs of one element (odd columns) or more, in grids of two
+    blocks (or clusters) that loop over rows."""
+    from dataclasses import replace
+
+    planned = ln_mod._plan
+    gamma, fits = [False], [False]
+
+    def forced(*args, **kwargs):
+        plan = planned(*args, **kwargs)
+        if plan.variant not in (Variant.BLOCK_SMEM, Variant.CLUSTER):
+            return plan
+        packs, align = plan.cols // plan.pack_size, OPS[plan.op].smem_align
+
+        def values(size):
+            return -(-packs // size) * plan.pack_size
+
+        # x and dy (and shared-memory sums) take the same bytes per value in any slice
+        rest = plan.smem_bytes - align - (4 * values(plan.cluster) if plan.gamma_in_smem else 0)
+        per_value = rest // values(plan.cluster)
+        size = plan.cluster  # a cluster with no room for gamma: more, smaller slices
+        while True:
+            smem = align + per_value * values(size) + (4 * values(size) if gamma[0] else 0)
+            fits[0] = smem <= max_dynamic_smem(spec())
+            if fits[0] or plan.variant is Variant.BLOCK_SMEM or size == CLUSTER_SIZES[-1]:
+                break
+            size *= 2
+        if fits[0]:
+            plan = replace(plan, gamma_in_smem=gamma[0], smem_bytes=smem, cluster=size)
+        return replace(plan, grid=2 * plan.cluster)
+
+    monkeypatch.setattr(ln_mod, "_plan", forced)
+    cases = [1001, 1024, 4096, 8192, 16384]
+    if spec().has_clusters:  # just past one block (room left in each slice), and fuller
+        cases += [20001, 24000, 36000, 70001]
+    cached = []
+    for cols in cases:
+        for gamma[0] in (False, True):
+            ln_mod._launches.clear()  # plan afresh
+            ln_mod._fresh.clear()
+            x = make((9, cols), dtype, rng)
+            dy = make((9, cols), dtype, rng, 1.0, 0.1)
+            w = make(cols, dtype, rng, 1.0, 1.0)
+            check_backward(op, x, dy, w, dtype)
+            plan = ln_mod.last_plan(op)
+            assert plan.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER), plan
+            assert plan.grid == 2 * plan.cluster, plan
+            assert plan.gamma_in_smem is (gamma[0] and fits[0]), plan
+            if plan.gamma_in_smem:
+                cached.append((cols, plan.variant, plan.pack_size))
+    # both kernels, and packs of one element, took gamma from shared memory
+    assert {v for _, v, _ in cached} == ({Variant.BLOCK_SMEM, Variant.CLUSTER}
+                                         if spec().has_clusters else {Variant.BLOCK_SMEM})
+    assert any(pack == 1 for _, _, pack in cached), cached
+
+
 def test_max_active_clusters():
     """The driver's count of co-resident clusters sizes the backward's one-wave cluster grid."""
     if not spec().has_clusters:
