@@ -8,10 +8,14 @@ with weight (and bias, for layer norm):
 * the residual-fused forward (``residual=``) against cukern's own add followed by the norm.
 
 Peers in the same run: PyTorch (eager; ``native_layer_norm_backward`` for the layer-norm
-backward, autograd for RMS) and JAX (jit). Bytes counted (DESIGN.md section 7): forward x read
-and y written; backward x and dy read and dx written; residual forward x and residual read, y and
-h written. Weights, biases and per-row statistics are a vanishing fraction and are not counted.
-``pct_copy`` is an op's bandwidth over a same-size device copy's, measured in the same run.
+backward, autograd for RMS) and JAX (jit). Bytes counted (DESIGN.md section 7): every byte the
+call must move. Forward: x read and y written, the per-row statistics written (float32 mean and
+rstd, rstd alone for RMS norm: 8 or 4 bytes a row, 6% of a float16 row of 32 columns), weight
+(and bias) read once; residual forward: x and residual read, y and h written, the same
+statistics and parameters; backward: x and dy read, dx written, the statistics and weight read,
+dweight (and dbias) written once. ``pct_copy`` is an op's bandwidth over a same-size device
+copy's (x read, one array written), measured in the same run; each peer is credited the same
+bytes (its time is what differs).
 
     python benchmarks/bench_layer_norm.py [--quick] [--out benchmarks/results] [--ops ...]
 
@@ -44,6 +48,17 @@ OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward",
 # Row-sized arrays each op must move (reads + writes).
 ARRAYS = {"layer_norm": 2, "rms_norm": 2, "layer_norm_backward": 3, "rms_norm_backward": 3,
           "layer_norm_residual": 4, "rms_norm_residual": 4}
+# float32 statistics per row (written by the forward, read by the backward), and column-sized
+# parameters (weight and bias read; dweight and dbias written by the backward).
+STATS = {"layer": 2, "rms": 1}
+PARAMS = {"layer_norm": 2, "rms_norm": 1, "layer_norm_backward": 3, "rms_norm_backward": 2,
+          "layer_norm_residual": 2, "rms_norm_residual": 1}
+
+
+def moved_bytes(op: str, rows: int, cols: int, item: int) -> int:
+    """Bytes an op must move for rows x cols of itemsize ``item`` (see the module's docstring)."""
+    stats = STATS["layer" if op.startswith("layer") else "rms"]
+    return (ARRAYS[op] * rows * cols + PARAMS[op] * cols) * item + stats * rows * 4
 EPS = {"layer": 1e-5, "rms": 1e-6}
 
 
@@ -197,13 +212,14 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
         for cols in cols_list:
             rows = rows_fn(cols)
             array_bytes = rows * cols * item
-            moved = ARRAYS[op] * array_bytes
+            moved = moved_bytes(op, rows, cols, item)
             if array_bytes not in copy_cache:
                 copy_cache[array_bytes] = _bench.copy_ms(array_bytes, reps)
             c_ms = copy_cache[array_bytes]
             copy_gbps = 2 * array_bytes / c_ms / 1e6
-            row = dict(op=op, dtype=name, rows=rows, cols=cols)
-            results.append(dict(row, peer="copy", ms=c_ms, gbps=copy_gbps, pct_copy=100.0))
+            row = dict(op=op, dtype=name, rows=rows, cols=cols, bytes=moved)
+            results.append(dict(row, peer="copy", bytes=2 * array_bytes, ms=c_ms, gbps=copy_gbps,
+                                pct_copy=100.0))
             n_sets = _bench._sets(moved)
             sets = _inputs(op, rows, cols, dtype, n_sets)
             fns = [(label, fn, "cupy", None) for label, fn in _cukern_fns(op, sets, cols).items()]
