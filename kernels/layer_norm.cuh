@@ -124,11 +124,18 @@ template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
 };
 
 // g = dy * gamma (dy when there is no weight). load2 also returns dy itself, which the dgamma and
-// dbeta sums need. CACHED: gamma is read at `cached`, already converted, in shared memory and
-// indexed by column (grad_cached), instead of from memory and converted at every use.
+// dbeta sums need. CACHED: gamma is read from `cached`, already converted, in shared memory
+// (grad_cached; laid out by cached_at), instead of from memory and converted at every use.
 template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct ScaleLoad {
   Load<T, C, false> dy, gamma;
-  const C* cached;
+  const C* cached;  // value j of the row's pack p at cached[cached_at<N>(p, j)]
+  // Packs of 8 floats (from 16-bit gamma) swap their two 16-byte halves in every other group of
+  // 4 packs: a warp's 16-byte reads, 32 bytes apart, then meet each bank once a wavefront (in
+  // place, two threads of 8 would share banks: two wavefronts a read).
+  template <int N> static __device__ __forceinline__ int cached_at(int p, int j) {
+    if constexpr (sizeof(C) == 4 && N == 8) return p * 8 + ((j / 4) ^ ((p >> 2) & 1)) * 4 + j % 4;
+    return p * N + j;
+  }
   template <int N> __device__ __forceinline__ void scale(const C* d, C* g, int col) const {
     if (WEIGHT) {
       C w[N];
@@ -145,10 +152,11 @@ template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct Scale
     }
   }
   template <int N> __device__ __forceinline__ void load_cached(C* w, int col) const {
+    const int p = col / N;
     if constexpr (sizeof(C) == 4 && N % 4 == 0) {  // 16-byte shared loads
 #pragma unroll
       for (int j = 0; j < N; j += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(cached + col + j);
+        const float4 v = *reinterpret_cast<const float4*>(cached + cached_at<N>(p, j));
         w[j] = v.x;
         w[j + 1] = v.y;
         w[j + 2] = v.z;
@@ -156,7 +164,7 @@ template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct Scale
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < N; ++j) w[j] = cached[col + j];
+      for (int j = 0; j < N; ++j) w[j] = cached[cached_at<N>(p, j)];
     }
   }
   template <int N> __device__ __forceinline__ void load2(C* d, C* g, i64 row, int col) const {
@@ -1018,12 +1026,16 @@ __device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
                                                mean, rstd, row0, rows, step, cols, p0, p1,
                                                reduce);
   } else if constexpr (GAMMA) {
-    C* const g = acc + acc_bytes / sizeof(C);
+    typedef ScaleLoad<T, C, true, true> Cached;
+    C* const g = acc + acc_bytes / sizeof(C) - p0 * PACK;  // indexed by the row's pack
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
-      sl.gamma.template load<PACK>(g + (p - p0) * PACK, 0, p * PACK);
+      C w[PACK];
+      sl.gamma.template load<PACK>(w, 0, p * PACK);
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) g[Cached::template cached_at<PACK>(p, j)] = w[j];
     }
     __syncthreads();
-    const ScaleLoad<T, C, true, true> cached{sl.dy, sl.gamma, g - p0 * PACK};  // by column
+    const Cached cached{sl.dy, sl.gamma, g};
     grad_weighted<LAYER, in_regs, PACK, NSUM>(ld, cached, st, base, slice, two, acc_w, acc_b,
                                               mean, rstd, dw, db, row0, rows, step, cols, p0,
                                               p1, prow, reduce);
