@@ -178,11 +178,11 @@ class Plan:
     device: str = ""
     extra: tuple[str, ...] = ()  # op-specific template arguments, appended to the kernel's
     # A cached backward with column sums: they live in registers (else in shared memory); the
-    # kernel's last template argument
+    # kernel's next-to-last template argument (REGS)
     sums_in_registers: bool = False
     # A cached backward with weight: gamma is converted once into shared memory beside the
     # row cache (else loaded from memory and converted at each use); the kernel's last
-    # template argument
+    # template argument (GAMMA)
     gamma_in_smem: bool = False
     # A cached kernel of an op with OpInfo.overlap_switch: each block loads its next row while
     # it writes this one (the kernel's last template argument)

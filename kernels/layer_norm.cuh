@@ -28,9 +28,11 @@
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
-// the cluster size, the fused-functor switches WEIGHT, BIAS, RESIDUAL, and whether a cached
-// forward block overlaps its rows (OVERLAP: a loop of different registers). The group width
-// (blockDim.x of the warp kernel), the block size and padding are read at run time.
+// the cluster size, the fused-functor switches WEIGHT, BIAS, RESIDUAL, whether a cached
+// forward block overlaps its rows (OVERLAP: a loop of different registers), and for a cached
+// backward with WEIGHT where its column sums live (REGS) and whether gamma is copied into shared
+// memory (GAMMA). The group width (blockDim.x of the warp kernel), the block size, padding and
+// the number of buffers of a cached backward are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
 // Every pointer and row stride is a multiple of PACK elements (the planner checks).
