@@ -48,6 +48,7 @@ OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward",
 # Row-sized arrays each op must move (reads + writes).
 ARRAYS = {"layer_norm": 2, "rms_norm": 2, "layer_norm_backward": 3, "rms_norm_backward": 3,
           "layer_norm_residual": 4, "rms_norm_residual": 4}
+EPS = {"layer": 1e-5, "rms": 1e-6}
 # float32 statistics per row (written by the forward, read by the backward), and column-sized
 # parameters (weight and bias read; dweight and dbias written by the backward).
 STATS = {"layer": 2, "rms": 1}
@@ -59,7 +60,6 @@ def moved_bytes(op: str, rows: int, cols: int, item: int) -> int:
     """Bytes an op must move for rows x cols of itemsize ``item`` (see the module's docstring)."""
     stats = STATS["layer" if op.startswith("layer") else "rms"]
     return (ARRAYS[op] * rows * cols + PARAMS[op] * cols) * item + stats * rows * 4
-EPS = {"layer": 1e-5, "rms": 1e-6}
 
 
 def _inputs(op: str, rows: int, cols: int, dtype, n_sets: int) -> list[dict]:

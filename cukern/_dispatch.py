@@ -597,11 +597,11 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     Then, with two buffers and float compute (every dtype but float64), gamma converted once
     into shared memory beside them (``gamma_in_smem``) where that fits and keeps as many blocks
     per SM; the kernel otherwise loads and converts it twice an element. Measured on the H100
-    (% of copy, three A/Bs, rows = 2^27 / cols): RMS norm 16-bit 1000-1024 columns +2..3 (84.5
-    -> 87), float32 3000-4096 +1..3, layer norm float32 4096-8192 +2..3, 16-bit 1000 +2, its
-    clusters at 131072-262144 +1 and +7; within a point elsewhere, but layer norm 16-bit
-    16384 and 65536 columns 0.3-1.5 slower. The block kernel if any way fits its row, else the
-    smallest cluster; None: neither.
+    (% of copy, rows = 2^27 / cols, with the copy of 16-bit gamma swizzled): RMS norm 16-bit
+    1000-1024 columns +2..3 (84.5 -> 87), float32 3000-4096 +1..3, layer norm float32
+    4096-8192 +2..3, 16-bit 1000 +2, 65536 +0.5, its clusters at 131072-262144 +2 and +7;
+    within a point elsewhere (layer norm 16-bit 16384 columns among them). The block
+    kernel if any way fits its row, else the smallest cluster; None: neither.
     """
     csize = 8 if base["dtype"] == "float64" else 4
     apt = reg_sum_packs(base["dtype"], pack)
@@ -692,8 +692,9 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
                                block=(width, WARP_BLOCK_THREADS // width), smem_bytes=0,
                                **base).name_expression())
         no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
-        regs = (False, True) if info.col_sums and extra[:1] == ("true",) else (False,)
-        gammas = (False, True) if len(regs) > 1 and dtype != "float64" else (False,)
+        weighted = bool(info.col_sums) and extra[:1] == ("true",)  # a backward with weight
+        regs = (False, True) if weighted else (False,)
+        gammas = (False, True) if weighted and dtype != "float64" else (False,)
         overlaps = (False, True) if info.overlap_switch >= 0 and \
             extra[info.overlap_switch] == "true" else (False,)
         for threads, r, o, g in itertools.product((128,) + BLOCK_SIZES, regs, overlaps, gammas):
