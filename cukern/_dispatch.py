@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -571,9 +572,10 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
                    strided: bool) -> Plan | None:
     """A cached backward that also sums over rows (dweight, dbias): a grid of one wave of
     resident blocks, each looping over rows and writing one partial row of sums at the end.
+    The block kernel (``_col_sums_block``) where any of its ways fits the row, else the
+    smallest cluster; None: neither.
 
-    For a block's slice of ``values`` columns (the row, or a cluster's share of it), four ways,
-    tried in this order:
+    For a cluster's share of the row (``values`` columns), four ways, tried in this order:
 
     1. sums in shared memory beside x and dy (``col_sums`` values of the compute type per
        column), x and dy double-buffered (the next row's copies overlap this row's reduction
@@ -585,30 +587,18 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
 
     The first that keeps two blocks resident per SM (they overlap each other's reductions),
     else the first double-buffered one that fits, else the first that fits. Register sums
-    free shared memory but cost 16 or 32 registers a thread: a separate instantiation. For
-    the block kernel where each thread holds one pack (16-bit rows of 513..1024 columns),
-    register sums come first: measured on the H100 (% of copy, double-buffered, 128 threads),
-    layer norm at 1024 columns 89.6-90.2 against 86.5-86.9 with shared-memory sums, RMS norm
-    84-85 either way; from two packs a thread they fall behind (77 against 89-90 at 2048
-    columns). (Layer norm's sums in shared memory single-buffered before registers where no
-    way keeps two blocks per SM: float16 16384 columns 84.3 against 80.9, but 14000-15000
-    columns 77-80 against 80-83, float32 10000-12000 within 1.5 points either way.)
-
-    Then, with two buffers and float compute (every dtype but float64), gamma converted once
-    into shared memory beside them (``gamma_in_smem``) where that fits and keeps as many blocks
-    per SM; the kernel otherwise loads and converts it twice an element. Measured on the H100
-    (% of copy, rows = 2^27 / cols, with the copy of 16-bit gamma swizzled): RMS norm 16-bit
-    1000-1024 columns +2..3 (84.5 -> 87), float32 3000-4096 +1..3, layer norm float32
-    4096-8192 +2..3, 16-bit 1000 +2, 65536 +0.5, its clusters at 131072-262144 +2 and +7;
-    within a point elsewhere (layer norm 16-bit 16384 columns among them). The block
-    kernel if any way fits its row, else the smallest cluster; None: neither.
+    free shared memory but cost 16 or 32 registers a thread: a separate instantiation. Then,
+    with two buffers and float compute (every dtype but float64), gamma converted once into
+    shared memory beside them (``gamma_in_smem``) where that fits and keeps as many clusters
+    per GPU; the kernel otherwise loads and converts it twice an element (layer norm 16-bit
+    131072-262144 columns: +2 and +7 points of copy with the copy, H100).
     """
     csize = 8 if base["dtype"] == "float64" else 4
     apt = reg_sum_packs(base["dtype"], pack)
     limit = max_dynamic_smem(device)
     asynchronous = pack * item >= 4
 
-    def attempt(variant: Variant, size: int, max_block: int) -> Plan | None:
+    def attempt(size: int) -> Plan | None:
         slice_packs = -(-(cols // pack) // size)
         values = slice_packs * pack
         rows_smem = item * info.inputs * values
@@ -616,22 +606,20 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
         for in_regs, two in itertools.product((False, True), (True, False)):
             if (two and not asynchronous) or (in_regs and slice_packs > apt * 1024):
                 continue
-            threads = min(max_block, block_threads_for(slice_packs))
+            threads = min(CLUSTER_MAX_BLOCK, block_threads_for(slice_packs))
             if in_regs:
                 threads = max(threads, min(1024, _pow2_at_least(-(-slice_packs // apt))))
             smem = rows_smem * (2 if two else 1) + (0 if in_regs else col_sums * csize * values) \
                 + info.smem_align
             if smem > limit:
                 continue
-            plan = Plan(variant=variant, block=(threads, 1), grid=size, smem_bytes=smem,
+            plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
                         cluster=size, sums_in_registers=in_regs, **no_warp, **base)
             per_sm = occ(plan)
             if per_sm > 0:
                 found.append((plan, per_sm, two))
         if not found:
             return None
-        if size == 1 and slice_packs <= min(f[0].threads for f in found):
-            found.sort(key=lambda f: not f[0].sums_in_registers)  # one pack a thread
         pick = next((f for f in found if f[1] >= 2), None) or \
             next((f for f in found if f[2]), None) or found[0]
         plan, per_sm, two = pick
@@ -642,25 +630,94 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
                               gamma_in_smem=True)
             if cached.smem_bytes <= limit and occ(cached) >= per_sm:
                 plan, gamma = cached, ", gamma in shared memory"
-        notes = (f"{'row' if size == 1 else f'row split over a cluster of {size} blocks'}: "
+        notes = (f"row split over a cluster of {size} blocks: "
                  f"x and dy {'double' if two else 'single'}-buffered in shared memory, "
                  f"{col_sums} column sums in {where}{gamma} ({plan.smem_bytes} bytes per "
                  f"block, {per_sm} resident per SM)",)
-        groups = _resident_clusters(plan, per_sm, device, occ) if size > 1 else \
-            device.sms * per_sm
+        groups = _resident_clusters(plan, per_sm, device, occ)
         return _replace(plan, grid=groups * size, notes=notes)
 
-    plan = attempt(Variant.BLOCK_SMEM, 1, 1024)
+    plan = _col_sums_block(base, no_warp, cols, pack, item, info, col_sums, device, occ)
     if plan is not None:
-        rows = base["rows"]
-        return _replace(plan, grid=max(1, min(rows, plan.grid)))
+        return plan
     if device.has_clusters and not strided:
         for size in CLUSTER_SIZES:
-            plan = attempt(Variant.CLUSTER, size, CLUSTER_MAX_BLOCK)
+            plan = attempt(size)
             if plan is not None:
                 clusters = max(1, min(base["rows"], plan.grid // size))
                 return _replace(plan, grid=clusters * size)
     return None
+
+
+def _col_sums_block(base: dict, no_warp: dict, cols: int, pack: int, item: int, info: OpInfo,
+                    col_sums: int, device: DeviceSpec, occ: Occupancy) -> Plan | None:
+    """The block kernel of a backward with column sums (``_plan_col_sums``), or None where no
+    way fits the row. A way is a block width (128..1024 threads, each with at least one pack
+    of the row), where the sums live (shared memory beside x and dy, or registers: at most
+    ``reg_sum_packs`` packs a thread), one or two buffers for x and dy (two need packs of at
+    least 4 bytes, for asynchronous copies) and, with float compute (every dtype but
+    float64), gamma converted once into floats in shared memory or loaded and converted twice
+    an element from memory. Among the ways that fit (the occupancy query keeps at least one
+    block per SM), the first by:
+
+    1. gamma in shared memory;
+    2. resident threads per SM (blocks per SM times threads) nearest 1024;
+    3. sums in shared memory (in registers where the row has at most 128 packs, one pack a
+       thread of the narrowest block: layer norm 16-bit at 1024 columns 89.6-90.2% of copy
+       against 86.5-86.9, RMS norm within a point, H100, session 6);
+    4. the larger share of busy threads in the last pass over the row (packs / (threads *
+       passes));
+    5. the wider block;
+    6. two buffers.
+
+    Measured on the H100 by ``benchmarks/bench_norm_backward_ways.py`` (% of copy, every byte
+    counted, rows = 2^27 / cols, weight given; layer and RMS norm, float16 and float32):
+    over 52 widths of 1024-24576 columns (powers of two and others; the order was chosen on
+    them) the planned way is 2.2 points behind the fastest forced way on average, 7.7 at
+    most; over 14 other widths 1.5 (4.4). Against the rule it replaced (gamma only beside
+    two buffers and where it cost no resident block; else the first of the four ways of
+    ``_plan_col_sums`` keeping two blocks per SM): +1.9 points on average, layer norm
+    float16 13000-14000 columns 66-72 -> 83-86, RMS norm float16 8192 87.7 -> 99.4. Gamma's
+    copy is the largest term: loaded from memory it costs 5-20 points where a block is alone
+    on its SM. What the order gets wrong: layer norm 16-bit 8192 columns (87 against 91-92
+    with two 512-thread blocks per SM and gamma from memory), RMS norm 16384 columns (1-2
+    points), and blocks of 128-256 threads alone on an SM that RMS norm sometimes runs
+    fastest (float16 12288-14000 columns: 96 against 89-90 planned).
+    """
+    csize = 8 if base["dtype"] == "float64" else 4
+    packs = cols // pack
+    apt = reg_sum_packs(base["dtype"], pack)
+    limit = max_dynamic_smem(device)
+    rows_smem = item * info.inputs * cols
+    found = []
+    for threads, in_regs, two, gamma in itertools.product(
+            (128,) + BLOCK_SIZES, (False, True), (True, False), (False, True)):
+        if threads > max(128, packs) or (in_regs and -(-packs // threads) > apt) or \
+                (two and pack * item < 4) or (gamma and csize != 4):
+            continue
+        smem = rows_smem * (2 if two else 1) + (0 if in_regs else col_sums * csize * cols) + \
+            (4 * cols if gamma else 0) + info.smem_align
+        if smem > limit:
+            continue
+        plan = Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), grid=1, smem_bytes=smem,
+                    sums_in_registers=in_regs, gamma_in_smem=gamma, **no_warp, **base)
+        per_sm = occ(plan)
+        if per_sm <= 0:
+            continue
+        passes = -(-packs // threads)
+        key = (gamma, -abs(math.log2(per_sm * threads) - 10),
+               in_regs if packs <= 128 else not in_regs, packs / (threads * passes), threads,
+               two)
+        found.append((key, plan, per_sm, two))
+    if not found:
+        return None
+    _, plan, per_sm, two = max(found, key=lambda f: f[0])
+    notes = (f"row: x and dy {'double' if two else 'single'}-buffered in shared memory, "
+             f"{col_sums} column sums in "
+             f"{'registers' if plan.sums_in_registers else 'shared memory'}"
+             f"{', gamma in shared memory' if plan.gamma_in_smem else ''} "
+             f"({plan.smem_bytes} bytes per block, {per_sm} resident per SM)",)
+    return _replace(plan, grid=max(1, min(base["rows"], device.sms * per_sm)), notes=notes)
 
 
 def _replace(plan: Plan, **changes) -> Plan:

@@ -87,14 +87,23 @@ def warm_kernels():
 def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
     """(threads, smem_bytes, sums_in_registers, gamma_in_smem) of one block of a backward with
     column sums (dweight, dbias) over a slice of a row of ``cols`` split in ``size`` blocks, by
-    the rule documented in ``_dispatch._plan_col_sums`` with the device model's occupancy, or
-    None when no way fits: sums in shared memory or (slices of at most reg_sum_packs * 1024
-    packs, the block widened to cover the slice) in registers, x and dy in two buffers or one;
-    the first of those four ways that keeps two blocks per SM, else the first with two
-    buffers, else the first that fits; for one block (size 1), register sums first where each
-    thread holds one pack. Then, with two buffers and a float compute type, gamma as floats
-    beside them where that fits and keeps as many blocks per SM."""
+    the rules documented in ``_dispatch._col_sums_block`` (one block) and
+    ``_dispatch._plan_col_sums`` (a cluster) with the device model's occupancy, or None when
+    no way fits.
+
+    One block: every width of 128..1024 threads (each with a pack, but 128), sums in shared
+    memory or in registers (at most reg_sum_packs packs a thread), x and dy in one buffer or
+    two, gamma in shared memory or not (float compute); the best by gamma in shared memory,
+    then resident threads per SM nearest 1024, then shared-memory sums (registers for rows of
+    at most 128 packs), then busy threads in the last pass, then width, then two buffers.
+
+    A cluster: sums in shared memory or (slices of at most reg_sum_packs * 1024 packs, the
+    block widened to cover the slice) in registers, x and dy in two buffers or one; the first
+    of those four ways that keeps two blocks per SM, else the first with two buffers, else the
+    first that fits. Then, with two buffers and a float compute type, gamma as floats beside
+    them where that fits and keeps as many blocks per SM."""
     import itertools
+    import math
 
     from cukern import _dispatch
 
@@ -103,29 +112,51 @@ def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
     packs = -(-(cols // pack) // size)
     apt = max(1, (8 if dtype == "float64" else 16) // pack)
     csize = 8 if dtype == "float64" else 4
+    limit = _dispatch.max_dynamic_smem(device)
+    align = _dispatch.OPS[op].smem_align
+    sums_per_value = _dispatch.OPS[op].col_sums * csize
+
+    if size == 1:
+        best = None
+        for threads in (128, 256, 512, 1024):
+            for in_regs, two, gamma in itertools.product((True, False), repeat=3):
+                if (threads > 128 and threads > packs) or (two and pack * item < 4) or \
+                        (in_regs and math.ceil(packs / threads) > apt) or \
+                        (gamma and csize == 8):
+                    continue
+                smem = (2 if two else 1) * 2 * item * cols + align + \
+                    (0 if in_regs else sums_per_value * cols) + (4 * cols if gamma else 0)
+                per_sm = device.model_occupancy(threads, smem) if smem <= limit else 0
+                if per_sm == 0:
+                    continue
+                passes = math.ceil(packs / threads)
+                rank = (gamma, -abs(math.log2(threads * per_sm) - 10),
+                        in_regs == (packs <= 128), packs / (threads * passes), threads, two)
+                if best is None or rank > best[0]:
+                    best = (rank, (threads, smem, in_regs, gamma))
+        return None if best is None else best[1]
+
     found = []
     for in_regs, two in itertools.product((False, True), (True, False)):
         if (two and pack * item < 4) or (in_regs and packs > apt * 1024):
             continue
-        threads = min(1024 if size == 1 else 512, _dispatch.block_threads_for(packs))
+        threads = min(512, _dispatch.block_threads_for(packs))
         while in_regs and threads < min(1024, -(-packs // apt)):
             threads *= 2
-        sums = 0 if in_regs else _dispatch.OPS[op].col_sums * csize * packs * pack
-        smem = (2 if two else 1) * 2 * item * packs * pack + sums + _dispatch.OPS[op].smem_align
-        if smem > _dispatch.max_dynamic_smem(device):
+        sums = 0 if in_regs else sums_per_value * packs * pack
+        smem = (2 if two else 1) * 2 * item * packs * pack + sums + align
+        if smem > limit:
             continue
         per_sm = device.model_occupancy(threads, smem)
         if per_sm > 0:
             found.append(((threads, smem, in_regs), per_sm, two))
     if not found:
         return None
-    if size == 1 and packs <= min(f[0][0] for f in found):
-        found = [f for f in found if f[0][2]] + [f for f in found if not f[0][2]]
     pick = next((f for f in found if f[1] >= 2), None) or \
         next((f for f in found if f[2]), None) or found[0]
     (threads, smem, in_regs), per_sm, two = pick
     with_gamma = smem + 4 * packs * pack
-    if two and csize == 4 and with_gamma <= _dispatch.max_dynamic_smem(device) and \
+    if two and csize == 4 and with_gamma <= limit and \
             device.model_occupancy(threads, with_gamma) >= per_sm:
         return threads, with_gamma, in_regs, True
     return threads, smem, in_regs, False

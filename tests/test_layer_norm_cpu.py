@@ -227,38 +227,41 @@ def test_col_sums_shared_memory(op, dtype):
                                             f"{str(gamma).lower()}>")
         per_sm = H100.model_occupancy(threads, smem)
         assert p.grid == min(1000 * size, 132 * per_sm // size * size)
-    # short rows: sums in shared memory, x and dy double-buffered, several blocks per SM (gamma
-    # beside them would cost one: 6 -> 5 for layer norm, 9 -> 7 for RMS norm)
-    p = plan_rowwise(op, 1000, 2048, "float16", H100, extra=("true",))
-    sums = OPS[op].col_sums * 4 * 2048
-    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem) == \
-        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 2048 + sums + 128, False, False)
-    # float16 rows of 16384: the sums leave shared memory to x and dy, 1024 threads holding
-    # 2 packs' sums each; the model (threads and shared memory) sees room for two such blocks
-    # per SM, so one buffer. (A live device's occupancy counts registers too: one block, and
-    # then two buffers.)
-    p = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
-    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers) == \
-        (Variant.BLOCK_SMEM, 1024, 2 * 2 * 16384 + 128, True)
-    one_per_sm = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1,
-                              extra=("true",))
-    # two buffers of x and dy; beside them, RMS norm's one row of sums still fits, layer
-    # norm's two do not
-    # norm's two do not; then gamma as floats beside layer norm's buffers (RMS norm's sums leave
-    # it no room)
     rms = op == "rms_norm_backward"
-    assert (one_per_sm.smem_bytes, one_per_sm.sums_in_registers,
-            one_per_sm.gamma_in_smem) == (4 * 2 * 16384 + 4 * 16384 + 128, not rms, not rms)
-    # one pack a thread (1024 columns, 128 threads): the sums in registers, gamma in shared
-    # memory (16 blocks per SM either way)
-    p = plan_rowwise(op, 1000, 1024, "float16", H100, extra=("true",))
-    assert (p.variant, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem) == \
-        (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 1024 + 4 * 1024 + 128, True, True)
-    # no gamma in shared memory for float64 (its compute type), nor with one buffer
-    p = plan_rowwise(op, 1000, 1024, "float64", H100, lambda plan: 1, extra=("true",))
-    assert p.variant is Variant.BLOCK_SMEM and not p.gamma_in_smem
-    single = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
-    assert single.smem_bytes == 2 * 2 * 16384 + 128 and not single.gamma_in_smem
+    sums = OPS[op].col_sums * 4  # bytes per column
+
+    def way(p):
+        return p.variant, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem
+
+    # gamma in shared memory first, even where it costs resident blocks: RMS norm float16 8192
+    # columns, two 512-thread blocks per SM without it (98432 bytes each), one of 1024 threads
+    # with it (resident threads 1024 either way)
+    if rms:
+        p = plan_rowwise(op, 1000, 8192, "float16", H100, extra=("true",))
+        assert way(p) == (Variant.BLOCK_SMEM, 1024, 2 * 2 * 2 * 8192 + sums * 8192 + 4 * 8192 +
+                          128, False, True)
+    # then resident threads nearest 1024: rows of 2048 halves (256 packs), 9 blocks of 128
+    # threads (1152 threads) before 8 of 256 (2048); layer norm's sums in registers, two
+    # buffers, RMS norm's in shared memory, one buffer (24704 bytes either way)
+    p = plan_rowwise(op, 1000, 2048, "float16", H100, extra=("true",))
+    expected = (2 * 2 * 2048 + sums * 2048, False) if rms else (2 * 2 * 2 * 2048, True)
+    assert way(p) == (Variant.BLOCK_SMEM, 128, expected[0] + 4 * 2048 + 128, expected[1], True)
+    assert H100.model_occupancy(128, p.smem_bytes) == 9
+    # one block per SM (a live device counting registers): the widest block; float16 16384
+    # columns: layer norm's sums in registers beside two buffers and gamma (shared sums, one
+    # buffer and gamma do not fit), RMS norm's in shared memory beside one buffer and gamma
+    p = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1, extra=("true",))
+    rows = 2 * 2 * 16384
+    assert way(p) == (Variant.BLOCK_SMEM, 1024, (rows + sums * 16384 if rms else 2 * rows) +
+                      4 * 16384 + 128, not rms, True)
+    # rows of at most 128 packs (one a thread of 128 threads): sums in registers where the
+    # resident threads tie
+    p = plan_rowwise(op, 1000, 1024, "float16", H100, lambda plan: 8, extra=("true",))
+    assert way(p) == (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 1024 + 4 * 1024 + 128, True, True)
+    # no gamma in shared memory for float64 (its compute type)
+    for cols in (1024, 4096):
+        p = plan_rowwise(op, 1000, cols, "float64", H100, extra=("true",))
+        assert p.variant is Variant.BLOCK_SMEM and not p.gamma_in_smem
 
 
 @pytest.mark.parametrize("op", BWD)
