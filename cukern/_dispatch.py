@@ -672,10 +672,11 @@ def _col_sums_block(base: dict, no_warp: dict, cols: int, pack: int, item: int, 
 
     Measured on the H100 by ``benchmarks/bench_norm_backward_ways.py`` (% of copy, every byte
     counted, rows = 2^27 / cols, weight given; layer and RMS norm, float16 and float32):
-    over 52 widths of 1024-24576 columns (powers of two and others; the order was chosen on
-    them) the planned way is 2.2 points behind the fastest forced way on average, 7.7 at
-    most; over 14 other widths 1.5 (4.4). Against the rule it replaced (gamma only beside
-    two buffers and where it cost no resident block; else the first of the four ways of
+    over 50 widths of 1024-24576 columns (powers of two and others; the order was chosen on
+    them) the planned way is 2.3 points behind the fastest forced way on average, 7.7 at
+    most (1.9 and 6.7 against ways of 256-1024 threads; the rule it replaced: 3.8 and 17.2
+    there); over 14 other widths 1.5 (4.4). Against that rule (gamma only beside two buffers
+    and where it cost no resident block; else the first of the four ways of
     ``_plan_col_sums`` keeping two blocks per SM): +1.9 points on average, layer norm
     float16 13000-14000 columns 66-72 -> 83-86, RMS norm float16 8192 87.7 -> 99.4. Gamma's
     copy is the largest term: loaded from memory it costs 5-20 points where a block is alone
