@@ -210,7 +210,7 @@ def test_lone_blocks_go_to_clusters(op):
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_col_sums_shared_memory(op, dtype):
     pack = 16 // ITEM[dtype]
-    for cols in (2048, 4096, 8192, 16384, 18000, 24000, 32768, 65536, 131072, 262144):
+    for cols in (2048, 3000, 4096, 8192, 13000, 16384, 18000, 24000, 32768, 65536, 131072, 262144):
         cols = cols // pack * pack
         p = plan_rowwise(op, 1000, cols, dtype, H100, extra=("true",))
         sizes = [1] + [c for c in _dispatch.CLUSTER_SIZES]
