@@ -1,13 +1,14 @@
 """Norm backward with a weight: the planner's block kernel beside every way it could take.
 
 The block kernel of layer and RMS norm's backward (dx, dweight and dbias, rows = 2**27 / cols)
-can run a row in many ways: 128..1024 threads, the column sums in shared memory or in
-registers, x and dy in one buffer or two, gamma converted into shared memory or loaded from
-memory (``_dispatch._col_sums_block``). For each width this times the planner's choice and
-then every way that fits, forced, in the same run, and reports how far the planner's is from
-the fastest. Widths default to powers of two and others between 1024 and 24576 columns (the
-planner's rule was chosen on them); pass ``--cols16``/``--cols32`` for others. Bytes counted as
-in ``bench_layer_norm.py`` (every byte the call must move), over a same-size device copy.
+can run a row in many ways: 128..1024 threads, the column sums in shared memory or in registers,
+x and dy in one buffer or two, gamma converted into shared memory or loaded from memory
+(``_dispatch.col_sums_block_ways`` lists them, best first by the planner's order). For each
+width this times the planner's choice and then every way that fits, forced, in the same run, and
+reports how far the planner's is from the fastest. Widths default to powers of two and others
+between 1024 and 24576 columns (the planner's rule was chosen on them); pass
+``--cols16``/``--cols32`` for others. Bytes counted as in ``bench_layer_norm.py`` (every byte
+the call must move), over a same-size device copy.
 
     python benchmarks/bench_norm_backward_ways.py [--cols16 LIST] [--cols32 LIST] [--out DIR]
 
@@ -17,8 +18,6 @@ Writes norm_backward_ways_<device>.json and .png (planned and fastest forced way
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import json
 import os
 import re
@@ -33,34 +32,22 @@ COLS32 = "1024,2048,3000,4096,5000,6144,8192,10000,12288,14000,16384"
 REPEATS = 2  # each way timed this many times, interleaved with the others; the best counts
 
 
-def forced_ways(planned, occ, limit: int, sms: int):
-    """(label, plan) for every block way that fits a row of ``planned``'s shape."""
+def forced_ways(planned, spec, occ):
+    """(way, plan) for every block way that fits a row of ``planned``'s shape, in the planner's
+    order (its first is what the planner takes, where the block kernel fits)."""
     from cukern import _dispatch as D
 
-    info, item, cols = D.OPS[planned.op], D.ITEMSIZE[planned.dtype], planned.cols
-    packs = cols // planned.pack_size
-    apt = D.reg_sum_packs(planned.dtype, planned.pack_size)
-    float_compute = planned.dtype != "float64"
+    info, item = D.OPS[planned.op], D.ITEMSIZE[planned.dtype]
+    csize = 8 if planned.dtype == "float64" else 4  # the sums' compute type
     out = []
-    for threads, regs, buffers, gamma in itertools.product(
-            (128, 256, 512, 1024), (False, True), (2, 1), (False, True)):
-        if (threads > max(128, packs)) or (regs and -(-packs // threads) > apt) or \
-                (buffers == 2 and planned.pack_size * item < 4) or (gamma and not float_compute):
-            continue
-        smem = item * info.inputs * cols * buffers + info.smem_align + \
-            (0 if regs else info.col_sums * 4 * cols) + (4 * cols if gamma else 0)
-        if smem > limit:
-            continue
-        plan = dataclasses.replace(
-            planned, variant=D.Variant.BLOCK_SMEM, block=(threads, 1), cluster=1,
-            smem_bytes=smem, sums_in_registers=regs, gamma_in_smem=gamma, cols_per_thread=0,
-            thread_group_width=0, rows_per_access=0, padding=False, overlap=False)
-        per_sm = occ(plan)
-        if per_sm > 0:
-            plan = dataclasses.replace(plan, grid=min(planned.rows, sms * per_sm))
-            way = dict(threads=threads, sums_in_registers=regs, buffers=buffers,
-                       gamma_in_smem=gamma, per_sm=per_sm)
-            out.append((way, plan))
+    for rank, plan in enumerate(D.col_sums_block_ways(planned, spec, occ)):
+        rows_bytes = plan.smem_bytes - info.smem_align - \
+            (0 if plan.sums_in_registers else info.col_sums * csize * plan.cols) - \
+            (4 * plan.cols if plan.gamma_in_smem else 0)
+        way = dict(threads=plan.threads, sums_in_registers=plan.sums_in_registers,
+                   buffers=rows_bytes // (item * info.inputs * plan.cols),
+                   gamma_in_smem=plan.gamma_in_smem, per_sm=occ(plan), rank=rank)
+        out.append((way, plan))
     return out
 
 
@@ -88,7 +75,6 @@ def main() -> None:
 
     spec = c.device_spec(0)
     occ = c.driver_occupancy(0)
-    limit = D.max_dynamic_smem(spec)
     shapes = [(op, dt, int(n)) for op in OPS
               for dt, cols in (("float16", args.cols16), ("float32", args.cols32))
               for n in cols.split(",") if n]
@@ -96,7 +82,7 @@ def main() -> None:
     plans = {}
     for op, dt, cols in shapes:
         planned = D.plan_rowwise(op, 2**27 // cols, cols, dt, spec, occ, extra=("true",))
-        plans[op, dt, cols] = (planned, forced_ways(planned, occ, limit, spec.sms))
+        plans[op, dt, cols] = (planned, forced_ways(planned, spec, occ))
     names = {(p.family, p.name_expression()) for planned, ways in plans.values()
              for p in [planned] + [q for _, q in ways]}
     errors = _compile.warm_cache(sorted(names))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ._device import DeviceSpec
 
-__all__ = ["Plan", "Variant", "plan_rowwise", "OPS"]
+__all__ = ["Plan", "Variant", "plan_rowwise", "col_sums_block_ways", "OPS"]
 
 WARP_MAX_COLS = 1024  # OneFlow: the warp kernel holds at most 32 values a lane, 32 lanes a row
 WARP_MAX_COLS_WITH_SUMS = 512  # a backward with column sums (registers: see plan_rowwise)
@@ -572,7 +572,7 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
                    strided: bool) -> Plan | None:
     """A cached backward that also sums over rows (dweight, dbias): a grid of one wave of
     resident blocks, each looping over rows and writing one partial row of sums at the end.
-    The block kernel (``_col_sums_block``) where any of its ways fits the row, else the
+    The block kernel's best way (``_col_sums_block_ways``) where any fits the row, else the
     smallest cluster; None: neither.
 
     For a cluster's share of the row (``values`` columns), four ways, tried in this order:
@@ -589,8 +589,8 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     else the first double-buffered one that fits, else the first that fits. Register sums
     free shared memory but cost 16 or 32 registers a thread: a separate instantiation. Then,
     with two buffers and float compute (every dtype but float64), gamma converted once into
-    shared memory beside them (``gamma_in_smem``) where that fits and keeps as many clusters
-    per GPU; the kernel otherwise loads and converts it twice an element (layer norm 16-bit
+    shared memory beside them (``gamma_in_smem``) where that fits and keeps as many blocks
+    per SM; the kernel otherwise loads and converts it twice an element (layer norm 16-bit
     131072-262144 columns: +2 and +7 points of copy with the copy, H100).
     """
     csize = 8 if base["dtype"] == "float64" else 4
@@ -637,9 +637,9 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
         groups = _resident_clusters(plan, per_sm, device, occ)
         return _replace(plan, grid=groups * size, notes=notes)
 
-    plan = _col_sums_block(base, no_warp, cols, pack, item, info, col_sums, device, occ)
-    if plan is not None:
-        return plan
+    ways = _col_sums_block_ways(base, no_warp, cols, pack, item, info, col_sums, device, occ)
+    if ways:
+        return ways[0]
     if device.has_clusters and not strided:
         for size in CLUSTER_SIZES:
             plan = attempt(size)
@@ -649,16 +649,34 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     return None
 
 
-def _col_sums_block(base: dict, no_warp: dict, cols: int, pack: int, item: int, info: OpInfo,
-                    col_sums: int, device: DeviceSpec, occ: Occupancy) -> Plan | None:
-    """The block kernel of a backward with column sums (``_plan_col_sums``), or None where no
-    way fits the row. A way is a block width (128..1024 threads, each with at least one pack
-    of the row), where the sums live (shared memory beside x and dy, or registers: at most
-    ``reg_sum_packs`` packs a thread), one or two buffers for x and dy (two need packs of at
-    least 4 bytes, for asynchronous copies) and, with float compute (every dtype but
-    float64), gamma converted once into floats in shared memory or loaded and converted twice
-    an element from memory. Among the ways that fit (the occupancy query keeps at least one
-    block per SM), the first by:
+def col_sums_block_ways(plan: Plan, device: DeviceSpec, occupancy: Occupancy | None = None
+                        ) -> list[Plan]:
+    """Every way the block kernel of a backward with column sums could run a row of ``plan``'s
+    shape (op, dtype, rows, cols, pack, extra), best first by the planner's order
+    (``_col_sums_block_ways``); empty where none fits or the op sums no columns.
+    ``benchmarks/bench_norm_backward_ways.py`` times them all."""
+    info = OPS[plan.op]
+    col_sums = info.col_sums if plan.extra[:1] == ("true",) else 0
+    if not col_sums:
+        return []
+    base = dict(op=plan.op, dtype=plan.dtype, rows=plan.rows, cols=plan.cols,
+                pack_size=plan.pack_size, strided=plan.strided, device=device.name,
+                extra=plan.extra)
+    no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
+    return _col_sums_block_ways(base, no_warp, plan.cols, plan.pack_size, ITEMSIZE[plan.dtype],
+                                info, col_sums, device, occupancy or model_occupancy(device))
+
+
+def _col_sums_block_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int,
+                         info: OpInfo, col_sums: int, device: DeviceSpec,
+                         occ: Occupancy) -> list[Plan]:
+    """The block kernel's ways for a backward with column sums, best first. A way is a block width
+    (128..1024 threads, each with at least one pack of the row), where the sums live (shared
+    memory beside x and dy, or registers: at most ``reg_sum_packs`` packs a thread), one or
+    two buffers for x and dy (two need packs of at least 4 bytes, for asynchronous copies)
+    and, with float compute (every dtype but float64), gamma converted once into floats in
+    shared memory or loaded and converted twice an element from memory. The ways that fit
+    (the occupancy query keeps at least one block per SM), ordered by:
 
     1. gamma in shared memory;
     2. resident threads per SM (blocks per SM times threads) nearest 1024;
@@ -709,16 +727,13 @@ def _col_sums_block(base: dict, no_warp: dict, cols: int, pack: int, item: int, 
         key = (gamma, -abs(math.log2(per_sm * threads) - 10),
                in_regs if packs <= 128 else not in_regs, packs / (threads * passes), threads,
                two)
-        found.append((key, plan, per_sm, two))
-    if not found:
-        return None
-    _, plan, per_sm, two = max(found, key=lambda f: f[0])
-    notes = (f"row: x and dy {'double' if two else 'single'}-buffered in shared memory, "
-             f"{col_sums} column sums in "
-             f"{'registers' if plan.sums_in_registers else 'shared memory'}"
-             f"{', gamma in shared memory' if plan.gamma_in_smem else ''} "
-             f"({plan.smem_bytes} bytes per block, {per_sm} resident per SM)",)
-    return _replace(plan, grid=max(1, min(base["rows"], device.sms * per_sm)), notes=notes)
+        notes = (f"row: x and dy {'double' if two else 'single'}-buffered in shared memory, "
+                 f"{col_sums} column sums in {'registers' if in_regs else 'shared memory'}"
+                 f"{', gamma in shared memory' if gamma else ''} "
+                 f"({smem} bytes per block, {per_sm} resident per SM)",)
+        found.append((key, _replace(plan, grid=max(1, min(base["rows"], device.sms * per_sm)),
+                                    notes=notes)))
+    return [plan for _, plan in sorted(found, key=lambda f: f[0], reverse=True)]
 
 
 def _replace(plan: Plan, **changes) -> Plan:

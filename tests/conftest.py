@@ -87,7 +87,7 @@ def warm_kernels():
 def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
     """(threads, smem_bytes, sums_in_registers, gamma_in_smem) of one block of a backward with
     column sums (dweight, dbias) over a slice of a row of ``cols`` split in ``size`` blocks, by
-    the rules documented in ``_dispatch._col_sums_block`` (one block) and
+    the rules documented in ``_dispatch._col_sums_block_ways`` (one block) and
     ``_dispatch._plan_col_sums`` (a cluster) with the device model's occupancy, or None when
     no way fits.
 

@@ -265,6 +265,29 @@ def test_col_sums_shared_memory(op, dtype):
 
 
 @pytest.mark.parametrize("op", BWD)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_col_sums_block_ways(op, dtype):
+    """col_sums_block_ways lists the block kernel's ways best first: the planner takes the
+    first; each fits, is distinct, and the list is empty without a weight or past a block."""
+    limit = _dispatch.max_dynamic_smem(H100)
+    for cols in (1024, 3000, 4096) + (() if dtype == "float64" else (8192, 13000)):
+        p = plan_rowwise(op, 1000, cols, dtype, H100, extra=("true",))
+        ways = _dispatch.col_sums_block_ways(p, H100)
+        assert p.variant is Variant.BLOCK_SMEM and ways[0] == p, (cols, p, ways[:1])
+        keys = {(w.threads, w.smem_bytes, w.sums_in_registers, w.gamma_in_smem) for w in ways}
+        assert len(keys) == len(ways)
+        for w in ways:
+            assert w.smem_bytes <= limit and H100.model_occupancy(w.threads, w.smem_bytes) > 0
+            assert w.grid == min(1000, 132 * H100.model_occupancy(w.threads, w.smem_bytes))
+            assert not (w.gamma_in_smem and dtype == "float64")
+    unweighted = plan_rowwise(op, 1000, 4096, dtype, H100, extra=("false",))
+    assert _dispatch.col_sums_block_ways(unweighted, H100) == []
+    clustered = plan_rowwise(op, 1000, 65536, dtype, H100, extra=("true",))
+    assert clustered.variant is Variant.CLUSTER
+    assert _dispatch.col_sums_block_ways(clustered, H100) == []
+
+
+@pytest.mark.parametrize("op", BWD)
 def test_col_sums_leave_the_warp_kernel_past_512(op):
     # the warp kernel would hold the column sums in registers too: blocks from 513 columns
     assert plan_rowwise(op, 10**5, 512, "float16", H100, extra=("true",)).variant is Variant.WARP
