@@ -84,79 +84,122 @@ def warm_kernels():
     warm_family("layer_norm")
 
 
-def col_sums_expected(op: str, dtype: str, cols: int, size: int, device):
-    """(threads, smem_bytes, sums_in_registers, gamma_in_smem) of one block of a backward with
-    column sums (dweight, dbias) over a slice of a row of ``cols`` split in ``size`` blocks, by
-    the rules documented in ``_dispatch._col_sums_block_ways`` (one block) and
-    ``_dispatch._plan_col_sums`` (a cluster) with the device model's occupancy, or None when
-    no way fits.
+def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
+    """(cluster size, threads, smem_bytes, sums_in_registers, gamma_in_smem) of a backward with
+    column sums (dweight, dbias) over rows of ``cols`` (16-byte aligned), by the rules
+    documented in ``_dispatch._col_sums_ways``, or None where no way fits (the uncached
+    kernel). ``occ(plan)``: resident blocks per SM (default: the device model's).
 
-    One block: every width of 128..1024 threads (each with a pack, but 128), sums in shared
-    memory or in registers (at most reg_sum_packs packs a thread), x and dy in one buffer or
-    two, gamma in shared memory or not (float compute); the best by gamma in shared memory,
-    then resident threads per SM nearest 1024, then shared-memory sums (registers for rows of
-    at most 128 packs), then busy threads in the last pass, then width, then two buffers.
-
-    A cluster: sums in shared memory or (slices of at most reg_sum_packs * 1024 packs, the
-    block widened to cover the slice) in registers, x and dy in two buffers or one; the first
-    of those four ways that keeps two blocks per SM, else the first with two buffers, else the
-    first that fits. Then, with two buffers and a float compute type, gamma as floats beside
-    them where that fits and keeps as many blocks per SM."""
+    Ways: one block a row (size 1) or clusters from the smallest size any way fits up to four
+    times it (each block with at least 128 packs); 128..1024 threads (each with a pack, but
+    128); sums in shared memory or registers (at most reg_sum_packs packs a thread); one or two
+    buffers (two: packs of at least 4 bytes); gamma in shared memory or not (not float64).
+    The block's best (gamma, resident threads nearest 1024, shared sums (registers for rows
+    of at most 128 packs), busy threads, width, two buffers) stays where it keeps two blocks
+    per SM or holds everything on chip (two buffers, or one for 4-byte values, beside gamma
+    and shared sums); else clusters with two buffers, gamma and shared sums of the smallest
+    size that has one and of twice that, by (layer norm: two blocks per SM, resident threads
+    nearest 512, the smaller cluster, the wider block; RMS norm: the smaller cluster, blocks
+    nearest 512 threads, more blocks per SM); else the block's best, else session 8's
+    cluster (the first size that fits; of shared sums two buffers, one, register sums two,
+    one: the first with two blocks per SM, else the first with two buffers, else the first;
+    then gamma beside two buffers where it keeps the blocks per SM)."""
     import itertools
     import math
 
     from cukern import _dispatch
 
+    info = _dispatch.OPS[op]
     item = _dispatch.ITEMSIZE[dtype]
     pack = _dispatch.pack_size(dtype, cols, 16, False)
-    packs = -(-(cols // pack) // size)
+    packs = cols // pack
     apt = max(1, (8 if dtype == "float64" else 16) // pack)
     csize = 8 if dtype == "float64" else 4
     limit = _dispatch.max_dynamic_smem(device)
-    align = _dispatch.OPS[op].smem_align
-    sums_per_value = _dispatch.OPS[op].col_sums * csize
+    align = info.smem_align
+    sums_per_value = info.col_sums * csize
 
-    if size == 1:
-        best = None
+    def blocks_per_sm(size, threads, smem, in_regs, gamma):
+        if smem > limit:
+            return 0
+        if occ is None:
+            return device.model_occupancy(threads, smem)
+        variant = _dispatch.Variant.BLOCK_SMEM if size == 1 else _dispatch.Variant.CLUSTER
+        return occ(_dispatch.Plan(
+            op=op, dtype=dtype, rows=1, cols=cols, pack_size=pack, strided=False,
+            device=device.name, extra=("true",), variant=variant, block=(threads, 1), grid=size,
+            smem_bytes=smem, cluster=size, sums_in_registers=in_regs, gamma_in_smem=gamma,
+            cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
+
+    ways, first = [], None  # (size, threads, smem, in_regs, gamma, two, per_sm, slice packs)
+    sizes = [1] + (list(_dispatch.CLUSTER_SIZES) if device.has_clusters else [])
+    for size in sizes:
+        sp = -(-packs // size)
+        if (first is not None and size > 4 * first) or (size > 1 and sp < 128):
+            break
         for threads in (128, 256, 512, 1024):
             for in_regs, two, gamma in itertools.product((True, False), repeat=3):
-                if (threads > 128 and threads > packs) or (two and pack * item < 4) or \
-                        (in_regs and math.ceil(packs / threads) > apt) or \
-                        (gamma and csize == 8):
+                if (threads > 128 and threads > sp) or (two and pack * item < 4) or \
+                        (in_regs and math.ceil(sp / threads) > apt) or (gamma and csize == 8):
                     continue
-                smem = (2 if two else 1) * 2 * item * cols + align + \
-                    (0 if in_regs else sums_per_value * cols) + (4 * cols if gamma else 0)
-                per_sm = device.model_occupancy(threads, smem) if smem <= limit else 0
-                if per_sm == 0:
-                    continue
-                passes = math.ceil(packs / threads)
-                rank = (gamma, -abs(math.log2(threads * per_sm) - 10),
-                        in_regs == (packs <= 128), packs / (threads * passes), threads, two)
-                if best is None or rank > best[0]:
-                    best = (rank, (threads, smem, in_regs, gamma))
-        return None if best is None else best[1]
+                values = sp * pack
+                smem = (2 if two else 1) * 2 * item * values + align + \
+                    (0 if in_regs else sums_per_value * values) + (4 * values if gamma else 0)
+                n = blocks_per_sm(size, threads, smem, in_regs, gamma)
+                if n > 0:
+                    ways.append((size, threads, smem, in_regs, gamma, two, n, sp))
+        if ways and first is None:
+            first = size
 
-    found = []
-    for in_regs, two in itertools.product((False, True), (True, False)):
-        if (two and pack * item < 4) or (in_regs and packs > apt * 1024):
+    def block_rank(w):
+        size, threads, smem, in_regs, gamma, two, n, sp = w
+        passes = math.ceil(sp / threads)
+        return (gamma, -abs(math.log2(threads * n) - 10), in_regs == (sp <= 128),
+                sp / (threads * passes), threads, two)
+
+    blocks = [w for w in ways if w[0] == 1]
+    best_block = max(blocks, key=block_rank) if blocks else None
+    s2g = [w for w in ways if w[0] > 1 and w[5] and w[4] and not w[3]]
+    if s2g:
+        s0 = min(w[0] for w in s2g)
+        s2g = [w for w in s2g if w[0] <= 2 * s0]
+    if best_block is not None:
+        size, threads, smem, in_regs, gamma, two, n, sp = best_block
+        if not s2g or n >= 2 or (gamma and not in_regs and (two or item == 4)):
+            return best_block[:5]
+
+    def cluster_rank(w):
+        size, threads, smem, in_regs, gamma, two, n, sp = w
+        resident = math.log2(threads * n)
+        if op == "layer_norm_backward":
+            return (n >= 2, -abs(resident - 9), -size, threads)
+        return (-size, -abs(math.log2(threads) - 9), n)
+
+    if s2g:
+        return max(s2g, key=cluster_rank)[:5]
+    if best_block is not None:
+        return best_block[:5]
+    for size in sizes[1:]:  # session 8's cluster
+        sp = -(-packs // size)
+        found = []
+        for in_regs, two in itertools.product((False, True), (True, False)):
+            if (two and pack * item < 4) or (in_regs and sp > apt * 1024):
+                continue
+            threads = min(512, _dispatch.block_threads_for(sp))
+            while in_regs and threads < min(1024, -(-sp // apt)):
+                threads *= 2
+            sums = 0 if in_regs else sums_per_value * sp * pack
+            smem = (2 if two else 1) * 2 * item * sp * pack + sums + align
+            n = blocks_per_sm(size, threads, smem, in_regs, False)
+            if n > 0:
+                found.append(((threads, smem, in_regs), n, two))
+        if not found:
             continue
-        threads = min(512, _dispatch.block_threads_for(packs))
-        while in_regs and threads < min(1024, -(-packs // apt)):
-            threads *= 2
-        sums = 0 if in_regs else sums_per_value * packs * pack
-        smem = (2 if two else 1) * 2 * item * packs * pack + sums + align
-        if smem > limit:
-            continue
-        per_sm = device.model_occupancy(threads, smem)
-        if per_sm > 0:
-            found.append(((threads, smem, in_regs), per_sm, two))
-    if not found:
-        return None
-    pick = next((f for f in found if f[1] >= 2), None) or \
-        next((f for f in found if f[2]), None) or found[0]
-    (threads, smem, in_regs), per_sm, two = pick
-    with_gamma = smem + 4 * packs * pack
-    if two and csize == 4 and with_gamma <= limit and \
-            device.model_occupancy(threads, with_gamma) >= per_sm:
-        return threads, with_gamma, in_regs, True
-    return threads, smem, in_regs, False
+        pick = next((f for f in found if f[1] >= 2), None) or \
+            next((f for f in found if f[2]), None) or found[0]
+        (threads, smem, in_regs), n, two = pick
+        with_gamma = smem + 4 * sp * pack
+        if two and csize == 4 and blocks_per_sm(size, threads, with_gamma, in_regs, True) >= n:
+            return size, threads, with_gamma, in_regs, True
+        return size, threads, smem, in_regs, False
+    return None

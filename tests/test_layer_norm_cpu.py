@@ -210,23 +210,23 @@ def test_lone_blocks_go_to_clusters(op):
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_col_sums_shared_memory(op, dtype):
     pack = 16 // ITEM[dtype]
-    for cols in (2048, 3000, 4096, 8192, 13000, 16384, 18000, 24000, 32768, 65536, 131072, 262144):
+    for cols in (2048, 3000, 4096, 8192, 10000, 12288, 13000, 16384, 18000, 20000, 24000, 32768,
+                 65536, 131072, 262144):
         cols = cols // pack * pack
-        p = plan_rowwise(op, 1000, cols, dtype, H100, extra=("true",))
-        sizes = [1] + [c for c in _dispatch.CLUSTER_SIZES]
-        fits = [(size, col_sums_expected(op, dtype, cols, size, H100)) for size in sizes]
-        fits = [(size, e) for size, e in fits if e is not None]
-        if not fits:
-            assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
-            continue
-        size, (threads, smem, in_regs, gamma) = fits[0]
-        assert p.variant is (Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER), (cols, p)
-        assert (p.cluster, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem) == \
-            (size, threads, smem, in_regs, gamma), (cols, p)
-        assert p.name_expression().endswith(f", true, {str(in_regs).lower()}, "
-                                            f"{str(gamma).lower()}>")
-        per_sm = H100.model_occupancy(threads, smem)
-        assert p.grid == min(1000 * size, 132 * per_sm // size * size)
+        for occ in (None, lambda plan: 1, lambda plan: 2):
+            p = plan_rowwise(op, 1000, cols, dtype, H100, occ, extra=("true",))
+            expected = col_sums_expected(op, dtype, cols, H100, occ)
+            if expected is None:
+                assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
+                continue
+            size, threads, smem, in_regs, gamma = expected
+            assert p.variant is (Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER), (cols, p)
+            assert (p.cluster, p.threads, p.smem_bytes, p.sums_in_registers,
+                    p.gamma_in_smem) == expected, (cols, p)
+            assert p.name_expression().endswith(f", true, {str(in_regs).lower()}, "
+                                                f"{str(gamma).lower()}>")
+            per_sm = occ(p) if occ else H100.model_occupancy(threads, smem)
+            assert p.grid == min(1000 * size, 132 * per_sm // size * size)
     rms = op == "rms_norm_backward"
     sums = OPS[op].col_sums * 4  # bytes per column
 
@@ -247,13 +247,30 @@ def test_col_sums_shared_memory(op, dtype):
     expected = (2 * 2 * 2048 + sums * 2048, False) if rms else (2 * 2 * 2 * 2048, True)
     assert way(p) == (Variant.BLOCK_SMEM, 128, expected[0] + 4 * 2048 + 128, expected[1], True)
     assert H100.model_occupancy(128, p.smem_bytes) == 9
-    # one block per SM (a live device counting registers): the widest block; float16 16384
-    # columns: layer norm's sums in registers beside two buffers and gamma (shared sums, one
-    # buffer and gamma do not fit), RMS norm's in shared memory beside one buffer and gamma
+    # a block alone on its SM that cannot hold x and dy twice beside gamma and shared-memory
+    # sums (float16 16384 columns: layer norm's sums would be in registers, RMS norm's beside
+    # one buffer) hands the row to clusters that can: 4 blocks of 8192 bytes of x a buffer,
+    # layer norm two 256-thread blocks per SM (resident threads nearest 512 among those with
+    # two), RMS norm of 2 blocks of 512 threads (the smaller cluster, blocks nearest 512)
+    p = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
+    size = 2 if rms else 4
+    values = 16384 // size
+    assert (way(p), p.cluster) == ((Variant.CLUSTER, 512 if rms else 256,
+                                    2 * 2 * 2 * values + sums * values + 4 * values + 128, False,
+                                    True), size)
+    assert H100.model_occupancy(p.threads, p.smem_bytes) == (1 if rms else 2)
+    # with one block per SM everywhere (a live device counting registers), layer norm's
+    # clusters of 2 blocks of 512 threads too (resident nearest 512, the smaller cluster)
     p = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1, extra=("true",))
-    rows = 2 * 2 * 16384
-    assert way(p) == (Variant.BLOCK_SMEM, 1024, (rows + sums * 16384 if rms else 2 * rows) +
-                      4 * 16384 + 128, not rms, True)
+    assert (p.variant, p.cluster, p.threads) == (Variant.CLUSTER, 2, 512)
+    # float32 rows: a lone block stays beside one buffer, gamma and shared sums (10000 columns)
+    p = plan_rowwise(op, 1000, 10000, "float32", H100, lambda plan: 1, extra=("true",))
+    assert p.variant is Variant.BLOCK_SMEM and p.gamma_in_smem and not p.sums_in_registers
+    assert p.smem_bytes == 2 * 4 * 10000 + sums * 10000 + 4 * 10000 + 128
+    # and float16 rows the same size in bytes do not (20000 columns: no block fits beside
+    # gamma; clusters with two buffers)
+    p = plan_rowwise(op, 1000, 20000, "float16", H100, lambda plan: 1, extra=("true",))
+    assert p.variant is Variant.CLUSTER and p.gamma_in_smem and not p.sums_in_registers
     # rows of at most 128 packs (one a thread of 128 threads): sums in registers where the
     # resident threads tie
     p = plan_rowwise(op, 1000, 1024, "float16", H100, lambda plan: 8, extra=("true",))
@@ -266,25 +283,34 @@ def test_col_sums_shared_memory(op, dtype):
 
 @pytest.mark.parametrize("op", BWD)
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-def test_col_sums_block_ways(op, dtype):
-    """col_sums_block_ways lists the block kernel's ways best first: the planner takes the
-    first; each fits, is distinct, and the list is empty without a weight or past a block."""
+def test_col_sums_ways(op, dtype):
+    """col_sums_ways lists every way of the cached backward, one block a row or a cluster,
+    best first: the planner takes the first; each fits, is distinct, has the grid of one wave
+    (of blocks or of clusters) and a note; empty without a weight."""
     limit = _dispatch.max_dynamic_smem(H100)
-    for cols in (1024, 3000, 4096) + (() if dtype == "float64" else (8192, 13000)):
+    for cols in (1024, 3000, 4096, 8192, 13000, 16384, 32768, 65536):
         p = plan_rowwise(op, 1000, cols, dtype, H100, extra=("true",))
-        ways = _dispatch.col_sums_block_ways(p, H100)
-        assert p.variant is Variant.BLOCK_SMEM and ways[0] == p, (cols, p, ways[:1])
-        keys = {(w.threads, w.smem_bytes, w.sums_in_registers, w.gamma_in_smem) for w in ways}
+        ways = _dispatch.col_sums_ways(p, H100)
+        assert ways[0] == p, (cols, p, ways[:1])
+        keys = {(w.cluster, w.threads, w.smem_bytes, w.sums_in_registers, w.gamma_in_smem)
+                for w in ways}
         assert len(keys) == len(ways)
+        sizes = {w.cluster for w in ways}
+        assert max(sizes) <= 4 * min(sizes)
         for w in ways:
-            assert w.smem_bytes <= limit and H100.model_occupancy(w.threads, w.smem_bytes) > 0
-            assert w.grid == min(1000, 132 * H100.model_occupancy(w.threads, w.smem_bytes))
+            per_sm = H100.model_occupancy(w.threads, w.smem_bytes)
+            assert w.smem_bytes <= limit and per_sm > 0
+            assert w.variant is (Variant.BLOCK_SMEM if w.cluster == 1 else Variant.CLUSTER)
+            assert w.grid == min(1000 * w.cluster, 132 * per_sm // w.cluster * w.cluster)
             assert not (w.gamma_in_smem and dtype == "float64")
+            assert w.notes and f"{per_sm} resident per SM" in w.notes[0]
+            slice_packs = -(-(cols // w.pack_size) // w.cluster)
+            assert w.threads <= max(128, slice_packs)
+            assert w.cluster == 1 or slice_packs >= 128
+        if cols <= 4096:
+            assert 1 in sizes
     unweighted = plan_rowwise(op, 1000, 4096, dtype, H100, extra=("false",))
-    assert _dispatch.col_sums_block_ways(unweighted, H100) == []
-    clustered = plan_rowwise(op, 1000, 65536, dtype, H100, extra=("true",))
-    assert clustered.variant is Variant.CLUSTER
-    assert _dispatch.col_sums_block_ways(clustered, H100) == []
+    assert _dispatch.col_sums_ways(unweighted, H100) == []
 
 
 @pytest.mark.parametrize("op", BWD)

@@ -77,13 +77,15 @@ def col_sums_shapes(op, dtype):
     packs of one element), by conftest.col_sums_expected."""
     shapes = [((1, 1), Variant.WARP), ((7, 33), Variant.WARP), ((5, 512), Variant.WARP),
               ((5, 513), Variant.BLOCK_SMEM), ((5, 1024), Variant.BLOCK_SMEM)]
-    sizes = [1] + (list(CLUSTER_SIZES) if spec().has_clusters else [])
-    for cols in (1025, 2048, 5001, 16384, 18000, 20001, 36000, 70000, 10**5 + 3, 160000,
-                 300000):
-        fits = [s for s in sizes if col_sums_expected(op, dtype, cols, s, spec())]
+    from cukern.ops import _common
+
+    occ = _common.driver_occupancy(0)
+    for cols in (1025, 2048, 5001, 12288, 16384, 18000, 20001, 36000, 70000, 10**5 + 3,
+                 160000, 300000):
+        way = col_sums_expected(op, dtype, cols, spec(), occ)
         variant = Variant.BLOCK_UNCACHED
-        if fits:
-            variant = Variant.BLOCK_SMEM if fits[0] == 1 else Variant.CLUSTER
+        if way is not None:
+            variant = Variant.BLOCK_SMEM if way[0] == 1 else Variant.CLUSTER
         shapes.append(((3, cols), variant))
     return shapes
 
@@ -493,6 +495,9 @@ def check_backward(op, x, dy, w, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", BWD)
 def test_backward_every_variant(op, dtype, weight, rng):
+    from cukern.ops import _common
+
+    occ = _common.driver_occupancy(0)
     shapes = col_sums_shapes(op, dtype) if weight else variant_shapes(op, dtype)
     for shape, variant in shapes:
         x = make(shape, dtype, rng)
@@ -503,6 +508,11 @@ def test_backward_every_variant(op, dtype, weight, rng):
         assert plan.extra == (("true",) if weight else ("false",))
         if variant is not None:
             assert plan.variant is variant, (shape, plan)
+        if weight and variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
+            # the way itself, by the rule's mirror with the driver's occupancy
+            way = (plan.cluster, plan.threads, plan.smem_bytes, plan.sums_in_registers,
+                   plan.gamma_in_smem)
+            assert way == col_sums_expected(op, dtype, shape[-1], spec(), occ), (shape, plan)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
