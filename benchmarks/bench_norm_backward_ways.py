@@ -1,12 +1,13 @@
-"""Norm backward with a weight: the planner's block kernel beside every way it could take.
+"""Norm backward with a weight: the planner's way beside every way it could take.
 
-The block kernel of layer and RMS norm's backward (dx, dweight and dbias, rows = 2**27 / cols)
-can run a row in many ways: 128..1024 threads, the column sums in shared memory or in registers,
-x and dy in one buffer or two, gamma converted into shared memory or loaded from memory
-(``_dispatch.col_sums_block_ways`` lists them, best first by the planner's order). For each
-width this times the planner's choice and then every way that fits, forced, in the same run, and
+The cached kernels of layer and RMS norm's backward (dx, dweight and dbias, rows = 2**27 /
+cols) can run a row in many ways: one block a row or a cluster of 2-16 blocks each holding a
+slice, 128..1024 threads, the column sums in shared memory or in registers, x and dy in one
+buffer or two, gamma converted into shared memory or loaded from memory
+(``_dispatch.col_sums_ways`` lists them, best first by the planner's order). For each width
+this times the planner's choice and then every way that fits, forced, in the same run, and
 reports how far the planner's is from the fastest. Widths default to powers of two and others
-between 1024 and 24576 columns (the planner's rule was chosen on them); pass
+between 1024 and 32768 columns (the planner's rule was chosen on them); pass
 ``--cols16``/``--cols32`` for others. Bytes counted as in ``bench_layer_norm.py`` (every byte
 the call must move), over a same-size device copy.
 
@@ -27,32 +28,37 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 OPS = ("layer_norm_backward", "rms_norm_backward")
-COLS16 = "1024,2048,3000,4096,5000,6144,8192,10000,12288,13000,14000,15000,16384,20000,24576"
-COLS32 = "1024,2048,3000,4096,5000,6144,8192,10000,12288,14000,16384"
+COLS16 = ("1024,2048,3000,4096,5000,6144,8192,10000,12288,13000,14000,15000,16384,20000,24576,"
+          "32768")
+COLS32 = "1024,2048,3000,4096,5000,6144,8192,10000,12288,14000,16384,24576,32768"
 REPEATS = 2  # each way timed this many times, interleaved with the others; the best counts
 
 
 def forced_ways(planned, spec, occ):
-    """(way, plan) for every block way that fits a row of ``planned``'s shape, in the planner's
-    order (its first is what the planner takes, where the block kernel fits)."""
+    """(way, plan) for every way (one block a row, or a cluster of blocks) that fits a row of
+    ``planned``'s shape, in the planner's order (its first is what the planner takes)."""
     from cukern import _dispatch as D
 
     info, item = D.OPS[planned.op], D.ITEMSIZE[planned.dtype]
     csize = 8 if planned.dtype == "float64" else 4  # the sums' compute type
     out = []
-    for rank, plan in enumerate(D.col_sums_block_ways(planned, spec, occ)):
+    for rank, plan in enumerate(D.col_sums_ways(planned, spec, occ)):
+        values = -(-(plan.cols // plan.pack_size) // plan.cluster) * plan.pack_size  # a slice
         rows_bytes = plan.smem_bytes - info.smem_align - \
-            (0 if plan.sums_in_registers else info.col_sums * csize * plan.cols) - \
-            (4 * plan.cols if plan.gamma_in_smem else 0)
-        way = dict(threads=plan.threads, sums_in_registers=plan.sums_in_registers,
-                   buffers=rows_bytes // (item * info.inputs * plan.cols),
+            (0 if plan.sums_in_registers else info.col_sums * csize * values) - \
+            (csize * values if plan.gamma_in_smem else 0)
+        way = dict(cluster=plan.cluster, threads=plan.threads,
+                   sums_in_registers=plan.sums_in_registers,
+                   buffers=rows_bytes // (item * info.inputs * values),
                    gamma_in_smem=plan.gamma_in_smem, per_sm=occ(plan), rank=rank)
         out.append((way, plan))
     return out
 
 
 def label(way: dict) -> str:
-    return (f"{way['threads']}{'R' if way['sums_in_registers'] else 'S'}{way['buffers']}"
+    size = way.get("cluster", 1)
+    return (f"{f'c{size}:' if size > 1 else ''}{way['threads']}"
+            f"{'R' if way['sums_in_registers'] else 'S'}{way['buffers']}"
             f"{'g' if way['gamma_in_smem'] else '-'}x{way['per_sm']}")
 
 
@@ -152,7 +158,7 @@ def main() -> None:
             for r in results if r["ways"]]
     if gaps:
         print(f"planned vs the fastest forced way: {sum(gaps) / len(gaps):.2f} points behind "
-              f"on average, {max(gaps):.2f} at most ({len(gaps)} widths with a block way)")
+              f"on average, {max(gaps):.2f} at most ({len(gaps)} widths)")
     tag = re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
     base = os.path.join(args.out, f"norm_backward_ways_{tag}{args.tag}")
     os.makedirs(args.out, exist_ok=True)
@@ -166,7 +172,7 @@ def main() -> None:
             rows.append(dict(op=r["op"], dtype=r["dtype"], cols=r["cols"],
                              peer="fastest forced way",
                              pct_copy=max(v["pct_copy"] for v in r["ways"])))
-    _bench.plot(rows, base + ".png", title=f"norm backward: planned vs every block way forced, "
+    _bench.plot(rows, base + ".png", title=f"norm backward: planned vs every way forced, "
                 f"{spec.name} (rows = 2^27 / cols; % of copy)")
 
 
