@@ -678,11 +678,11 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     The rest follow (block ways, then clusters, each in their order) for
     ``benchmarks/bench_norm_backward_ways.py``, which times them all. Chosen on its
     measurements on the H100 (% of copy, every byte counted, rows = 2^27 / cols, weight
-    given; layer and RMS norm, float16 and float32) at 58 widths of 1024-32768 columns: the
-    planned way 3.2 points behind the fastest forced way on average (4.4 by session 9's block
-    rule and session 8's clusters), at least 84.1% of copy where those fell to 79.3 (layer
-    norm float16 at 12288-32768 columns: 79-86 -> 85-91); at 14 other widths 1.7 (2.7),
-    and at 26 more (5500-131072 columns) 3.0 (7.0).
+    given; layer and RMS norm, float16 and float32) at 58 widths of 1024-32768 columns, then
+    measured with the rule in place: the planned way 3.2 points behind the fastest forced way
+    on average (4.4 by session 9's block rule and session 8's clusters), at least 83.9% of
+    copy where those fell to 79.3 (layer norm float16 at 12288-32768 columns: 79-90 ->
+    85-91); at 14 other widths 1.6 (2.7), and at 26 more (5500-131072 columns) 3.1 (about 7).
     """
     csize = 8 if base["dtype"] == "float64" else 4
     packs = cols // pack
