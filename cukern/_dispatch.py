@@ -574,7 +574,7 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     resident blocks (or clusters), each looping over rows and writing one partial row of sums
     at the end. The first of ``_col_sums_ways``; None where no way fits."""
     ways = _col_sums_ways(base, no_warp, cols, pack, item, info, col_sums, device, occ, strided)
-    return ways[0] if ways else None
+    return _with_grid(*ways[0], col_sums, device, occ) if ways else None
 
 
 def _cluster_fallback(base: dict, no_warp: dict, cols: int, pack: int, item: int,
@@ -649,14 +649,17 @@ def col_sums_ways(plan: Plan, device: DeviceSpec, occupancy: Occupancy | None = 
                 pack_size=plan.pack_size, strided=plan.strided, device=device.name,
                 extra=plan.extra)
     no_warp = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
-    return _col_sums_ways(base, no_warp, plan.cols, plan.pack_size, ITEMSIZE[plan.dtype], info,
-                          col_sums, device, occupancy or model_occupancy(device), plan.strided)
+    occ = occupancy or model_occupancy(device)
+    ways = _col_sums_ways(base, no_warp, plan.cols, plan.pack_size, ITEMSIZE[plan.dtype], info,
+                          col_sums, device, occ, plan.strided)
+    return [_with_grid(*way, col_sums, device, occ) for way in ways]
 
 
 def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, info: OpInfo,
                    col_sums: int, device: DeviceSpec, occ: Occupancy,
-                   strided: bool) -> list[Plan]:
-    """The cached kernels' ways for a backward with column sums, best first.
+                   strided: bool) -> list[tuple[Plan, int, bool]]:
+    """The cached kernels' ways for a backward with column sums, best first, as (plan without
+    its grid, blocks per SM, two buffers): ``_with_grid`` completes the one a caller takes.
 
     A way is a cluster size (1: the block kernel; clusters from the smallest size any way
     fits, up to two doublings past it, while each block keeps at least 128 packs of the
@@ -714,9 +717,7 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
             per_sm = occ(plan)
             if per_sm <= 0:
                 continue
-            way = (_with_grid(plan, per_sm, two, col_sums, device, occ), per_sm, two,
-                   slice_packs)
-            (blocks if size == 1 else clusters).append(way)
+            (blocks if size == 1 else clusters).append((plan, per_sm, two, slice_packs))
         if (blocks or clusters) and first is None:
             first = size
     blocks.sort(key=lambda w: _block_key(*w[1:], w[0]), reverse=True)
@@ -725,7 +726,8 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
         s0 = min(w[0].cluster for w in s2g)
         s2g = sorted((w for w in s2g if w[0].cluster <= 2 * s0),
                      key=lambda w: _cluster_key(w[0], w[1], col_sums), reverse=True)
-    rest = sorted((w for w in clusters if w not in s2g),
+    taken = {id(w) for w in s2g}
+    rest = sorted((w for w in clusters if id(w) not in taken),
                   key=lambda w: (-w[0].cluster, _block_key(*w[1:], w[0])), reverse=True)
     if blocks and (not s2g or _keeps_block(blocks[0], item)):
         order = blocks + s2g + rest
@@ -738,11 +740,8 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
             fallback = _cluster_fallback(base, no_warp, cols, pack, item, info, col_sums,
                                          device, occ)
         if fallback is not None:
-            plan, per_sm, two = fallback
-            fallback = (_with_grid(plan, per_sm, two, col_sums, device, occ), per_sm, two, 0)
-            order = [fallback] + [w for w in rest if _replace(w[0], grid=1, notes=()) !=
-                                  _replace(plan, grid=1, notes=())]
-    return [w[0] for w in order]
+            order = [fallback] + [w for w in rest if w[0] != fallback[0]]
+    return [w[:3] for w in order]
 
 
 def _with_grid(plan: Plan, per_sm: int, two: bool, col_sums: int, device: DeviceSpec,
@@ -854,7 +853,7 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
         names.add(Plan(variant=Variant.BLOCK_UNCACHED, block=(UNCACHED_BLOCK, 1), smem_bytes=0,
                        **no_warp, **base).name_expression())
         if device.has_clusters and not strided:
-            if len(regs) > 1:  # _plan_col_sums: up to CLUSTER_MAX_BLOCK, wider for register sums
+            if len(regs) > 1:  # _col_sums_ways (the block width is a launch parameter here)
                 shapes = [(t, r) for t in (128, 256, CLUSTER_MAX_BLOCK) for r in regs]
                 shapes.append((1024, True))
             else:  # _plan_cluster
