@@ -678,6 +678,10 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
        blocks that hold a slice each with everything on chip;
     3. else the block kernel's best way, or with no block way, ``_cluster_fallback``.
 
+    Before all of them, for layer norm over 16-bit rows wider than 2048 columns: the way of
+    ``_narrow_s2g`` (16-byte packs) or ``_pair_r2g`` (8-byte packs) where there is one (it
+    may lie past the sizes above).
+
     The rest follow (block ways, then clusters, each in their order) for
     ``benchmarks/bench_norm_backward_ways.py``, which times them all. Chosen on its
     measurements on the H100 (% of copy, every byte counted, rows = 2^27 / cols, weight
@@ -720,6 +724,15 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
             (blocks if size == 1 else clusters).append((plan, per_sm, two, slice_packs))
         if (blocks or clusters) and first is None:
             first = size
+    narrow = None
+    if col_sums == 2 and item == 2 and cols > 2048 and device.has_clusters and not strided:
+        if pack * item == 16:
+            narrow = _narrow_s2g(base, no_warp, packs, pack, info, device, occ)
+        elif pack * item == 8:
+            narrow = _pair_r2g(base, no_warp, packs, pack, info, device, occ, limit)
+        if narrow is not None:  # first; and not again among the rest
+            blocks = [w for w in blocks if w[0] != narrow[0]]
+            clusters = [w for w in clusters if w[0] != narrow[0]]
     blocks.sort(key=lambda w: _block_key(*w[1:], w[0]), reverse=True)
     s2g = [w for w in clusters if w[2] and w[0].gamma_in_smem and not w[0].sums_in_registers]
     if s2g:
@@ -741,7 +754,84 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
                                          device, occ)
         if fallback is not None:
             order = [fallback] + [w for w in rest if w[0] != fallback[0]]
+    if narrow is not None:
+        order = [narrow] + order
     return [w[:3] for w in order]
+
+
+def _narrow_s2g(base: dict, no_warp: dict, packs: int, pack: int, info: OpInfo,
+                device: DeviceSpec, occ: Occupancy) -> tuple | None:
+    """Layer norm's way for rows of 16-bit values wider than 2048 columns in 16-byte packs:
+    of one block a row, then clusters of 2, 4, 8 and 16, the first whose share of
+    the row (at least 128 packs a block in a cluster), held by 128 threads with x and dy
+    twice, gamma and the column sums in shared memory ("S2g"), keeps three or more blocks
+    resident per SM; None where none does (``_col_sums_ways``'s rule then). As a tuple
+    (plan without its grid, blocks per SM, two buffers, slice packs).
+
+    Narrow blocks that share an SM with others take turns at memory while each waits on its
+    reductions (two row sums and two column sums an element for layer norm). Measured on the
+    H100 (% of copy, every byte counted, rows = 2^27 / cols, float16, weight given, every way
+    with gamma's copy forced at the 26 widths of 1024-65536 columns that session 10's rule was
+    chosen and checked on; it applies at 23): 1.3 points behind the fastest forced way on
+    average where session 10's rule was 2.8; layer norm float16 at 8192 columns 95.0 against
+    87.4 (one block of 1024 threads), 16384 92.9 against 87.8 (clusters of 4 blocks of 256
+    threads, 2 per SM), 32768 85.2 against 84.8; 0.8 lower at 10000 (91.7 against 92.5). At
+    2048 columns and fewer the block's rule is faster (layer norm float16 2048: 93.5 against
+    89.7 for 128 threads, 5 per SM).
+    """
+    item = ITEMSIZE[base["dtype"]]
+    for size in (1,) + CLUSTER_SIZES:
+        slice_packs = -(-packs // size)
+        if size > 1 and slice_packs < 128:
+            return None
+        values = slice_packs * pack
+        smem = 2 * item * info.inputs * values + (info.col_sums + 1) * 4 * values + \
+            info.smem_align
+        if smem * 3 > device.smem_per_sm:
+            continue
+        variant = Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER
+        plan = Plan(variant=variant, block=(128, 1), grid=size, smem_bytes=smem, cluster=size,
+                    sums_in_registers=False, gamma_in_smem=True, **no_warp, **base)
+        per_sm = occ(plan)
+        if per_sm >= 3:
+            return plan, per_sm, True, slice_packs
+    return None
+
+
+def _pair_r2g(base: dict, no_warp: dict, packs: int, pack: int, info: OpInfo,
+              device: DeviceSpec, occ: Occupancy, limit: int) -> tuple | None:
+    """Layer norm's way for rows of 16-bit values wider than 2048 columns in 8-byte packs
+    (widths of 4 mod 8 columns): the smallest cluster whose slice the narrowest block holds
+    with the column sums in registers (``reg_sum_packs`` packs a thread, at most 1024
+    threads), x and dy twice and gamma in shared memory ("R2g"); None where none fits. As
+    ``_narrow_s2g``'s tuple.
+
+    Measured on the H100 (% of copy, rows = 2^27 / cols, weight given, every way with
+    gamma's copy forced; why shared-memory sums lose with these packs is not established):
+    clusters of 2 blocks of 256-512 threads, R2g, were the fastest way at every such width
+    tried: float16 5500 columns 91.6 against 81.2 (session 10's rule: one block of 512
+    threads, 2 per SM, sums in shared memory), 6500 91.3 against 71.6, 10500 87.4 against
+    74.1, 14500 89.0 against 71.2; bfloat16 5500 91.8 against 80.9, 10500 87.6 against 74.3.
+    """
+    item = ITEMSIZE[base["dtype"]]
+    apt = reg_sum_packs(base["dtype"], pack)
+    for size in CLUSTER_SIZES:
+        slice_packs = -(-packs // size)
+        threads = max(128, _pow2_at_least(-(-slice_packs // apt)))
+        if threads > 1024:
+            continue
+        if slice_packs < 128:
+            return None
+        values = slice_packs * pack
+        smem = 2 * item * info.inputs * values + 4 * values + info.smem_align
+        if smem > limit:
+            continue
+        plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
+                    cluster=size, sums_in_registers=True, gamma_in_smem=True, **no_warp, **base)
+        per_sm = occ(plan)
+        if per_sm > 0:
+            return plan, per_sm, True, slice_packs
+    return None
 
 
 def _with_grid(plan: Plan, per_sm: int, two: bool, col_sums: int, device: DeviceSpec,

@@ -90,6 +90,13 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     documented in ``_dispatch._col_sums_ways``, or None where no way fits (the uncached
     kernel). ``occ(plan)``: resident blocks per SM (default: the device model's).
 
+    First, layer norm over 16-bit rows of more than 2048 columns (devices with clusters): in
+    16-byte packs, the first of one block, clusters of 2, 4, 8, 16 (at least 128 packs a
+    block in a cluster) whose slice, held by 128 threads with two buffers, gamma and shared
+    sums, fits three times in an SM's shared memory and keeps three blocks per SM; in 8-byte
+    packs, the first cluster whose slice the narrowest block (128..1024 threads) holds with
+    register sums, two buffers and gamma, resident.
+
     Ways: one block a row (size 1) or clusters from the smallest size any way fits up to four
     times it (each block with at least 128 packs); 128..1024 threads (each with a pack, but
     128); sums in shared memory or registers (at most reg_sum_packs packs a thread); one or two
@@ -131,8 +138,33 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
             smem_bytes=smem, cluster=size, sums_in_registers=in_regs, gamma_in_smem=gamma,
             cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
 
-    ways, first = [], None  # (size, threads, smem, in_regs, gamma, two, per_sm, slice packs)
     sizes = [1] + (list(_dispatch.CLUSTER_SIZES) if device.has_clusters else [])
+    if op == "layer_norm_backward" and item == 2 and cols > 2048 and pack * item == 8 and \
+            device.has_clusters:  # clusters with sums in registers, two buffers and gamma
+        for size in sizes[1:]:
+            sp = -(-packs // size)
+            threads = 128
+            while threads < 1024 and threads * apt < sp:
+                threads *= 2
+            if threads * apt < sp:
+                continue
+            if sp < 128:
+                break
+            smem = 2 * 2 * item * sp * pack + 4 * sp * pack + align
+            if blocks_per_sm(size, threads, smem, True, True) > 0:
+                return size, threads, smem, True, True
+    if op == "layer_norm_backward" and item == 2 and cols > 2048 and pack * item == 16 and \
+            device.has_clusters:  # the narrow way: 128 threads, S2g, three blocks an SM
+        for size in sizes:
+            sp = -(-packs // size)
+            if size > 1 and sp < 128:
+                break
+            smem = 2 * 2 * item * sp * pack + sums_per_value * sp * pack + 4 * sp * pack + align
+            if 3 * smem <= device.smem_per_sm and \
+                    blocks_per_sm(size, 128, smem, False, True) >= 3:
+                return size, 128, smem, False, True
+
+    ways, first = [], None  # (size, threads, smem, in_regs, gamma, two, per_sm, slice packs)
     for size in sizes:
         sp = -(-packs // size)
         if (first is not None and size > 4 * first) or (size > 1 and sp < 128):

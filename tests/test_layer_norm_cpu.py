@@ -249,10 +249,14 @@ def test_col_sums_shared_memory(op, dtype):
     assert H100.model_occupancy(128, p.smem_bytes) == 9
     # a block alone on its SM that cannot hold x and dy twice beside gamma and shared-memory
     # sums (float16 16384 columns: layer norm's sums would be in registers, RMS norm's beside
-    # one buffer) hands the row to clusters that can: 4 blocks of 8192 bytes of x a buffer,
-    # layer norm two 256-thread blocks per SM (resident threads nearest 512 among those with
-    # two), RMS norm of 2 blocks of 512 threads (the smaller cluster, blocks nearest 512)
-    p = plan_rowwise(op, 1000, 16384, "float16", H100, extra=("true",))
+    # one buffer) hands the row to clusters that can: RMS norm 2 blocks of 512 threads (the
+    # smaller cluster, blocks nearest 512); layer norm takes its narrow way first (8 blocks of
+    # 128 threads, 5 per SM: test_layer_norm_narrow_way), and without it (a driver that
+    # keeps fewer than three such blocks an SM) 4 blocks of 256 threads, two per SM (resident
+    # threads nearest 512 among those with two)
+    occ2 = None if rms else (lambda plan: min(2, H100.model_occupancy(plan.threads,
+                                                                      plan.smem_bytes)))
+    p = plan_rowwise(op, 1000, 16384, "float16", H100, occ2, extra=("true",))
     size = 2 if rms else 4
     values = 16384 // size
     assert (way(p), p.cluster) == ((Variant.CLUSTER, 512 if rms else 256,
@@ -281,6 +285,52 @@ def test_col_sums_shared_memory(op, dtype):
         assert p.variant is Variant.BLOCK_SMEM and not p.gamma_in_smem
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_layer_norm_narrow_way(dtype):
+    """Layer norm's backward over 16-bit rows past 2048 columns: in 16-byte packs the first
+    of one block a row and clusters of 2, 4, 8, 16 whose slice, held by 128 threads with x
+    and dy twice, gamma and the sums in shared memory, keeps three blocks an SM; in 8-byte
+    packs the smallest cluster whose slice a block holds with the sums in registers."""
+    op = "layer_norm_backward"
+    for cols, size, per_sm in ((3000, 1, 3), (4096, 2, 5), (8192, 4, 5), (12288, 4, 3),
+                               (16384, 8, 5), (20000, 8, 4), (32768, 16, 5)):
+        p = plan_rowwise(op, 10**4, cols, dtype, H100, extra=("true",))
+        values = -(-(cols // p.pack_size) // size) * p.pack_size
+        assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
+            Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER, size, 128, False, True), (
+            cols, p)
+        assert p.smem_bytes == 2 * 2 * 2 * values + 2 * 4 * values + 4 * values + 128
+        assert H100.model_occupancy(128, p.smem_bytes) == per_sm, cols
+        assert "double-buffered" in p.notes[0], p.notes
+    # 8-byte packs (4 mod 8 columns): the smallest cluster whose slice the narrowest block
+    # holds with the sums in registers (4 packs a thread), two buffers and gamma
+    for cols, size, threads in ((2052, 2, 128), (4100, 2, 256), (10500, 2, 512),
+                                (14500, 2, 512), (20004, 2, 1024), (40004, 4, 1024)):
+        p = plan_rowwise(op, 10**4, cols, dtype, H100, extra=("true",))
+        values = -(-(cols // 4) // size) * 4
+        assert p.pack_size == 4
+        assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
+            Variant.CLUSTER, size, threads, True, True), (cols, p)
+        assert p.smem_bytes == 2 * 2 * 2 * values + 4 * values + 128
+        assert p.name_expression().endswith(", true, true, true>"), p.name_expression()
+    # neither at 2048 columns and fewer, nor where no S2g way keeps three blocks an SM (65536
+    # columns; a driver that counts fewer), nor for 4-byte packs, RMS norm, float32, or
+    # devices without clusters
+    for cols, dt, occ, device, other in ((2048, dtype, None, H100, op),
+                                         (2044, dtype, None, H100, op),
+                                         (65536, dtype, None, H100, op),
+                                         (8192, dtype, lambda plan: 2, H100, op),
+                                         (4098, dtype, None, H100, op),
+                                         (8192, dtype, None, H100, "rms_norm_backward"),
+                                         (8196, dtype, None, H100, "rms_norm_backward"),
+                                         (8192, "float32", None, H100, op),
+                                         (3000, dtype, None, A100, op)):
+        p = plan_rowwise(other, 10**4, cols, dt, device, occ, extra=("true",))
+        assert not (p.threads == 128 and (p.cluster > 1 or cols == 3000)), (cols, other, p)
+        assert not (p.cluster > 1 and p.sums_in_registers and p.gamma_in_smem), (cols, p)
+        assert p == _dispatch.col_sums_ways(p, device, occ)[0]
+
+
 @pytest.mark.parametrize("op", BWD)
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_col_sums_ways(op, dtype):
@@ -295,7 +345,15 @@ def test_col_sums_ways(op, dtype):
         keys = {(w.cluster, w.threads, w.smem_bytes, w.sums_in_registers, w.gamma_in_smem)
                 for w in ways}
         assert len(keys) == len(ways)
-        sizes = {w.cluster for w in ways}
+        # layer norm's narrow way (16-bit rows past 2048 columns) may come first from past
+        # the sizes of the rest
+        narrow = op == "layer_norm_backward" and dtype == "float16" and cols > 2048 and \
+            ways[0].threads == 128 and ways[0].gamma_in_smem and \
+            not ways[0].sums_in_registers and \
+            H100.model_occupancy(128, ways[0].smem_bytes) >= 3
+        assert narrow == (op == "layer_norm_backward" and dtype == "float16" and
+                          2048 < cols < 65536), (cols, ways[0])
+        sizes = {w.cluster for w in (ways[1:] if narrow else ways)}
         assert max(sizes) <= 4 * min(sizes)
         for w in ways:
             per_sm = H100.model_occupancy(w.threads, w.smem_bytes)

@@ -74,14 +74,15 @@ def smem_per_col(op, dtype, weight):
 def col_sums_shapes(op, dtype):
     """(shape, expected variant) for a backward with a weight on this device: every way its
     column sums are planned (registers or shared memory, one or two buffers, block or cluster,
-    packs of one element), by conftest.col_sums_expected."""
+    packs of one element, or of 8 bytes in 16-bit types: 6500 and 14500 columns), by
+    conftest.col_sums_expected."""
     shapes = [((1, 1), Variant.WARP), ((7, 33), Variant.WARP), ((5, 512), Variant.WARP),
               ((5, 513), Variant.BLOCK_SMEM), ((5, 1024), Variant.BLOCK_SMEM)]
     from cukern.ops import _common
 
     occ = _common.driver_occupancy(0)
-    for cols in (1025, 2048, 5001, 12288, 16384, 18000, 20001, 36000, 70000, 10**5 + 3,
-                 160000, 300000):
+    for cols in (1025, 2048, 5001, 6500, 12288, 14500, 16384, 18000, 20001, 36000, 70000,
+                 10**5 + 3, 160000, 300000):
         way = col_sums_expected(op, dtype, cols, spec(), occ)
         variant = Variant.BLOCK_UNCACHED
         if way is not None:
