@@ -11,7 +11,8 @@ between 1024 and 32768 columns (the planner's rule was chosen on them); pass
 ``--cols16``/``--cols32`` for others. Bytes counted as in ``bench_layer_norm.py`` (every byte
 the call must move), over a same-size device copy.
 
-    python benchmarks/bench_norm_backward_ways.py [--cols16 LIST] [--cols32 LIST] [--out DIR]
+    python benchmarks/bench_norm_backward_ways.py [--cols16 LIST] [--cols32 LIST] [--ops LIST]
+                                                  [--out DIR] [--tag SUFFIX]
 
 Writes norm_backward_ways_<device>.json and .png (planned and fastest forced way per width).
 """
@@ -65,10 +66,15 @@ def label(way: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cols16", default=COLS16, help="widths for float16")
-    ap.add_argument("--cols32", default=COLS32, help="widths for float32")
+    ap.add_argument("--cols32", default=COLS32, help="widths for float32 (empty: none)")
+    ap.add_argument("--ops", default=",".join(OPS), help="of " + ", ".join(OPS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tag", default="", help="suffix of the output files' names")
     args = ap.parse_args()
+    ops = [op for op in args.ops.split(",") if op]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        ap.error(f"--ops: unknown {', '.join(unknown)} (choose from {', '.join(OPS)})")
 
     import cupy as cp
     from bench_layer_norm import moved_bytes
@@ -81,7 +87,7 @@ def main() -> None:
 
     spec = c.device_spec(0)
     occ = c.driver_occupancy(0)
-    shapes = [(op, dt, int(n)) for op in OPS
+    shapes = [(op, dt, int(n)) for op in ops
               for dt, cols in (("float16", args.cols16), ("float32", args.cols32))
               for n in cols.split(",") if n]
 
