@@ -4,6 +4,8 @@ instantiation, references against independent formulations, argument validation.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
+import math
 import os
 
 import numpy as np
@@ -283,6 +285,34 @@ def test_col_sums_shared_memory(op, dtype):
     for cols in (1024, 4096):
         p = plan_rowwise(op, 1000, cols, "float64", H100, extra=("true",))
         assert p.variant is Variant.BLOCK_SMEM and not p.gamma_in_smem
+
+
+def test_param_reduce_shape():
+    """norm_param_grad_reduce's launch: 32 column lanes of 16 bytes of sums where the columns
+    divide into them and the grid keeps a block for every other SM, else of one column; row
+    lanes the power of two (up to 32) nearest a quarter of the partial rows (an eighth with
+    single columns); the grid covers every column."""
+    from cukern._dispatch import param_reduce_shape
+
+    assert param_reduce_shape(32768, 35, 2, "float16", H100) == (True, (32, 8), (256, 2))
+    assert param_reduce_shape(16384, 77, 2, "float16", H100) == (True, (32, 16), (128, 2))
+    assert param_reduce_shape(65536, 14, 2, "float64", H100) == (True, (32, 4), (1024, 2))
+    assert param_reduce_shape(4096, 330, 2, "float16", H100) == (False, (32, 32), (128, 2))
+    assert param_reduce_shape(1024, 1056, 2, "float32", H100) == (False, (32, 32), (32, 2))
+    assert param_reduce_shape(36001, 35, 2, "float32", H100) == (False, (32, 4), (1126, 2))
+    for cols, prows, nacc, dtype in itertools.product((1, 31, 1024, 4100, 36000, 36001, 262144),
+                                                      (1, 3, 4, 5, 35, 129, 5000), (1, 2),
+                                                      ("float16", "float32", "float64")):
+        vec, (lanes, rows), (gx, gy) = param_reduce_shape(cols, prows, nacc, dtype, H100)
+        width = 2 if dtype == "float64" else 4
+        assert lanes == 32 and gy == nacc
+        assert not vec or (cols % width == 0 and 2 * gx * nacc >= H100.sms)
+        share = prows / (4 if vec else 8)  # partial rows a row lane, ideally
+        assert rows in (1, 2, 4, 8, 16, 32)
+        assert rows == 32 or rows * math.sqrt(2) >= share
+        assert rows == 1 or rows / math.sqrt(2) < share
+        per_block = 32 * (width if vec else 1)
+        assert (gx - 1) * per_block < cols <= gx * per_block
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

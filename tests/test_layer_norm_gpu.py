@@ -516,6 +516,31 @@ def test_backward_every_variant(op, dtype, weight, rng):
             assert way == col_sums_expected(op, dtype, shape[-1], spec(), occ), (shape, plan)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BWD)
+def test_param_grad_reduce_shapes(op, dtype, rng):
+    """dweight (and dbias) from the partial rows by norm_param_grad_reduce in each of its
+    shapes (_dispatch.param_reduce_shape): 16-byte column lanes or single columns, one to 32
+    row lanes, columns that the lanes do or do not divide."""
+    from cukern._dispatch import param_reduce_shape
+    from cukern.ops import _common
+
+    seen = set()
+    for rows, cols in ((300, 36000), (300, 36001), (40, 36000), (2, 65536), (5000, 1024),
+                       (700, 4100)):
+        x = make((rows, cols), dtype, rng)
+        dy = make((rows, cols), dtype, rng, 1.0, 0.1)
+        w = make(cols, dtype, rng, 1.0, 1.0)
+        check_backward(op, x, dy, w, dtype)
+        plan = ln_mod.last_plan(op)
+        if plan.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
+            prows = plan.grid // plan.cluster
+            vec, block, _ = param_reduce_shape(cols, prows, OPS[op].col_sums, dtype,
+                                               _common.device_spec(0))
+            seen.add((vec, block[1] > 1 and block[1] < 32))
+    assert {(True, True), (False, False)} <= seen, seen
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("op", BWD)
 def test_backward_gamma_in_shared_memory_both_ways(op, dtype, rng, monkeypatch):

@@ -481,19 +481,20 @@ class _Reduce:
     """norm_param_grad_reduce: the partial rows of dweight (and dbias) summed into the outputs,
     after norm_param_grad_partial has written them when the main kernel does not."""
 
-    __slots__ = ("grid", "kernel", "tail", "partial")
+    __slots__ = ("grid", "block", "kernel", "tail", "partial")
 
     def __init__(self, op: str, plan: _dispatch.Plan, dev: int, prows: int, nacc: int,
                  partial=None):
         self.kernel = _aux_kernel(op, 0, plan.dtype, dev)
-        self.grid = (-(-plan.cols // 32), nacc)
-        self.tail = (np.int64(prows), np.int32(plan.cols))
+        vec, self.block, self.grid = _dispatch.param_reduce_shape(
+            plan.cols, prows, nacc, plan.dtype, c.device_spec(dev))
+        self.tail = (np.int64(prows), np.int32(plan.cols), np.int32(vec))
         self.partial = partial
 
     def __call__(self, partial, dw, db, args) -> None:
         if self.partial is not None:
             self.partial(partial, args)
-        self.kernel(self.grid, (32, 32), (partial, dw, db) + self.tail)
+        self.kernel(self.grid, self.block, (partial, dw, db) + self.tail)
 
 
 class _Partial:
