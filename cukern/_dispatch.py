@@ -573,7 +573,8 @@ def _plan_col_sums(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     """A cached backward that also sums over rows (dweight, dbias): a grid of one wave of
     resident blocks (or clusters), each looping over rows and writing one partial row of sums
     at the end. The first of ``_col_sums_ways``; None where no way fits."""
-    ways = _col_sums_ways(base, no_warp, cols, pack, item, info, col_sums, device, occ, strided)
+    ways = _col_sums_ways(base, no_warp, cols, pack, item, info, col_sums, device, occ, strided,
+                          first_only=True)
     return _with_grid(*ways[0], col_sums, device, occ) if ways else None
 
 
@@ -657,9 +658,11 @@ def col_sums_ways(plan: Plan, device: DeviceSpec, occupancy: Occupancy | None = 
 
 def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, info: OpInfo,
                    col_sums: int, device: DeviceSpec, occ: Occupancy,
-                   strided: bool) -> list[tuple[Plan, int, bool]]:
+                   strided: bool, first_only: bool = False) -> list[tuple[Plan, int, bool]]:
     """The cached kernels' ways for a backward with column sums, best first, as (plan without
     its grid, blocks per SM, two buffers): ``_with_grid`` completes the one a caller takes.
+    ``first_only``: the planner's call, which stops at the narrow way below where there is one
+    (no occupancy queries, and so no compiles, for the ways it would not take).
 
     A way is a cluster size (1: the block kernel; clusters from the smallest size any way
     fits, up to two doublings past it, while each block keeps at least 128 packs of the
@@ -695,6 +698,14 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
     packs = cols // pack
     apt = reg_sum_packs(base["dtype"], pack)
     limit = max_dynamic_smem(device)
+    narrow = None
+    if col_sums == 2 and item == 2 and cols > 2048 and device.has_clusters and not strided:
+        if pack * item == 16:
+            narrow = _narrow_s2g(base, no_warp, packs, pack, info, device, occ)
+        elif pack * item == 8:
+            narrow = _pair_r2g(base, no_warp, packs, pack, info, device, occ, limit)
+        if narrow is not None and first_only:
+            return [narrow[:3]]
     sizes = (1,) + (CLUSTER_SIZES if device.has_clusters and not strided else ())
     blocks, clusters, first = [], [], None
     for size in sizes:
@@ -724,15 +735,9 @@ def _col_sums_ways(base: dict, no_warp: dict, cols: int, pack: int, item: int, i
             (blocks if size == 1 else clusters).append((plan, per_sm, two, slice_packs))
         if (blocks or clusters) and first is None:
             first = size
-    narrow = None
-    if col_sums == 2 and item == 2 and cols > 2048 and device.has_clusters and not strided:
-        if pack * item == 16:
-            narrow = _narrow_s2g(base, no_warp, packs, pack, info, device, occ)
-        elif pack * item == 8:
-            narrow = _pair_r2g(base, no_warp, packs, pack, info, device, occ, limit)
-        if narrow is not None:  # first; and not again among the rest
-            blocks = [w for w in blocks if w[0] != narrow[0]]
-            clusters = [w for w in clusters if w[0] != narrow[0]]
+    if narrow is not None:  # first; and not again among the rest
+        blocks = [w for w in blocks if w[0] != narrow[0]]
+        clusters = [w for w in clusters if w[0] != narrow[0]]
     blocks.sort(key=lambda w: _block_key(*w[1:], w[0]), reverse=True)
     s2g = [w for w in clusters if w[2] and w[0].gamma_in_smem and not w[0].sums_in_registers]
     if s2g:
