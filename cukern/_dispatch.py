@@ -194,6 +194,14 @@ class Plan:
     def threads(self) -> int:
         return self.block[0] * self.block[1]
 
+    @property
+    def min_blocks(self) -> int:
+        """A forward norm cluster kernel's MIN_BLOCKS (its ``__launch_bounds__``): 3 for blocks
+        of at most 512 threads that do not overlap rows (at most 40 registers a thread, so three
+        share an SM; the kernel then spends the room on loading gamma and beta ahead of its
+        stores), else 1 (64 registers)."""
+        return 3 if self.threads <= 512 and not self.overlap else 1
+
     def name_expression(self) -> str:
         """The C++ name of the kernel instantiation this plan launches."""
         info = OPS[self.op]
@@ -220,6 +228,8 @@ class Plan:
             args.append("true" if self.gamma_in_smem else "false")
         if info.overlap_switch >= 0 and self.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
             args.append("true" if self.overlap else "false")
+        if info.overlap_switch >= 0 and self.variant is Variant.CLUSTER:
+            args.append(self.min_blocks)
         return f"cukern::{info.kernel}_{self.variant.value}<{', '.join(map(str, args))}>"
 
     @property

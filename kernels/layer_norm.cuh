@@ -123,6 +123,30 @@ template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
     params<N>(w, b, col);
     store_with<N>(v, w, b, row, col);
   }
+  // fetch() and store_fetched() split store() the other way, for a caller that loads several
+  // packs' gamma and beta before their stores: a store to y is volatile, and no load after it
+  // in program order issues before it, so a loop of store() waits out the parameters' latency
+  // once a pack.
+  template <int N> struct Params {
+    Pack<T, N> w, b;  // as loaded, unconverted
+  };
+  template <int N> __device__ __forceinline__ Params<N> fetch(int col) const {
+    Params<N> p;
+    if (WEIGHT) p.w = gamma.template raw<N>(0, col);
+    if (BIAS) p.b = beta.template raw<N>(0, col);
+    return p;
+  }
+  template <int N>
+  __device__ __forceinline__ void store_fetched(const C* v, const Params<N>& p, i64 row,
+                                                int col) const {
+    C w[N], b[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (WEIGHT) w[i] = pack_value(p.w, i);
+      if (BIAS) b[i] = pack_value(p.b, i);
+    }
+    store_with<N>(v, w, b, row, col);
+  }
 };
 
 // g = dy * gamma (dy when there is no weight). load2 also returns dy itself, which the dgamma and
@@ -416,8 +440,8 @@ template <int CLUSTER> struct ClusterReduce {
 // float16 layer norm at 131072 columns its third block per SM (89% of copy -> 70%).
 // (A running Welford merge in the load loop measured 20-25% slower: its dependent chain holds
 // back the next loads.)
-template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, typename T,
-          typename C, typename Ld, typename St, typename Reduce>
+template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, int V,
+          typename T, typename C, typename Ld, typename St, typename Reduce>
 __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, const T* x,
                                           i64 sx, C* mean, C* rstd, C eps, i64 row, i64 rows,
                                           i64 step, int cols, int p0, int p1, bool writer,
@@ -473,12 +497,23 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
     if (writer && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
     const Centre<C, TWO_STEP> at{k, m};
     if constexpr (!OVERLAP) {
-      for (int p = p0 + threadIdx.x; p < p1; p += stride) {
-        C v[PACK];
-        cache.get(p - p0, v);
+      // gamma and beta of V packs in flight at once, then their stores (see AffineStore)
+      for (int p = p0 + threadIdx.x; p < p1; p += V * stride) {
+        typename St::template Params<PACK> par[V];
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
-        st.template store<PACK>(v, row, p * PACK);
+        for (int u = 0; u < V; ++u) {
+          if (p + u * stride < p1) par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
+        }
+#pragma unroll
+        for (int u = 0; u < V; ++u) {
+          const int q = p + u * stride;
+          if (q >= p1) break;
+          C v[PACK];
+          cache.get(q - p0, v);
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
+          st.template store_fetched<PACK>(v, par[u], row, q * PACK);
+        }
       }
     } else {
       const C k_next = SHIFT && more ? ld.first(next) : C(0);
@@ -527,7 +562,7 @@ template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL,
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
   BlockReduce reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(dynamic_smem<T>(), ld, st, x, sx,
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1>(dynamic_smem<T>(), ld, st, x, sx,
                                                             mean, rstd, eps, blockIdx.x, rows,
                                                             gridDim.x, cols, 0, cols / PACK, true,
                                                             reduce);
@@ -579,16 +614,19 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 // A cluster of CLUSTER blocks per row (sm_90): each block caches a slice of the row (see
 // norm_rows), and the blocks' statistics meet in distributed shared memory.
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
-          bool OVERLAP>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
+          bool OVERLAP, int MIN_BLOCKS>
+__global__ void __cluster_dims__(CLUSTER, 1, 1)
+__launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
 layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
+  static_assert(MIN_BLOCKS == 1 || MIN_BLOCKS == 3, "MIN_BLOCKS: 1, or 3 blocks of <= 512 threads");
   CUKERN_NORM_FWD_SETUP;
+  constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 ? 2 : 1;
   const unsigned rank = cluster_rank();
   const int num_packs = cols / PACK;
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
   ClusterReduce<CLUSTER> reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK>(aligned_dynamic_smem<T>(), ld, st,
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V>(aligned_dynamic_smem<T>(), ld, st,
                                                             x, sx, mean, rstd, eps,
                                                             blockIdx.x / CLUSTER, rows,
                                                             gridDim.x / CLUSTER, cols, p0, p1,

@@ -749,7 +749,7 @@ def test_explain_norm_switches():
             "--device", "h100", "--weight", "--bias")
     plain = run(*args).stdout
     # a lone block of 1024 threads: a cluster of two whose blocks share SMs
-    assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false>" in plain
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false, 3>" in plain
     fused = run(*args, "--residual").stdout
     assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, true, true>" in fused
     assert "overlap            each block" in fused and "overlap" not in plain

@@ -113,6 +113,18 @@ def test_name_expressions():
     p = plan_rowwise("rms_norm_backward", 8, 3000, "float64", A100)
     assert p.name_expression() == \
         "cukern::layer_norm_grad_block_smem<double, 1, 2, false, false, false>"
+    # a forward cluster's last argument: MIN_BLOCKS of its __launch_bounds__, 3 for blocks of
+    # at most 512 threads that do not overlap rows (at most 40 registers), else 1
+    p = plan_rowwise("layer_norm", 512, 262144, "float16", H100, extra=("true", "true", "false"))
+    assert (p.variant, p.threads, p.overlap) == (Variant.CLUSTER, 512, False)
+    assert p.name_expression() == \
+        "cukern::layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3>"
+    assert _dispatch._replace(p, block=(256, 1)).name_expression().endswith(", false, 3>")
+    assert _dispatch._replace(p, block=(1024, 1)).name_expression().endswith(", false, 1>")
+    p = plan_rowwise("rms_norm", 512, 262144, "float32", H100, extra=("true", "false", "true"))
+    assert p.variant is Variant.CLUSTER and p.overlap
+    assert p.name_expression() == \
+        f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1>"
     # the default extra is the first listed: no weight, no bias, no residual
     assert plan_rowwise("layer_norm", 4, 64, "float32", H100).extra == ("false",) * 3
     assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).extra == ("false",)
@@ -548,8 +560,13 @@ def test_reachable_sets():
             n_extra = len(OPS[op].extras[0])
 
             def switches(name):
-                """The op's switches: the forward's cached kernels end in Plan.overlap."""
+                """The op's switches: the forward's cached kernels end in Plan.overlap (its
+                clusters in Plan.overlap, then Plan.min_blocks)."""
                 args = name[:-1].split(", ")
+                if OPS[op].overlap_switch >= 0 and "_cluster<" in name:
+                    # MIN_BLOCKS 3 only for blocks that do not overlap their rows
+                    assert args[-1] == "1" or args[-1] == "3" and args[-2] == "false", name
+                    args = args[:-1]
                 if OPS[op].overlap_switch >= 0 and ("_warp<" not in name and
                                                     "_uncached<" not in name):
                     assert args[-1] in ("false", "true")
@@ -566,6 +583,9 @@ def test_reachable_sets():
             if OPS[op].overlap_switch >= 0:  # both ways with a residual, for the block kernel
                 assert any(n.endswith(", true, true>") and "_block_smem<" in n for n in kernels)
                 assert any(n.endswith(", true, false>") and "_block_smem<" in n for n in kernels)
+                # clusters: both launch bounds without overlap, the wide one with it
+                for end in (", false, false, 1>", ", false, false, 3>", ", true, true, 1>"):
+                    assert any(n.endswith(end) and "_cluster<" in n for n in kernels), end
             if op in BWD:
                 assert f"cukern::norm_param_grad_reduce<{CPP[dt]}>" in names
                 algo = OPS[op].algo

@@ -339,6 +339,43 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
             assert plan.overlap is want, plan
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD)
+def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
+    """The forward cluster kernel both ways (Plan.min_blocks): blocks of at most 512 threads
+    that load two packs' gamma and beta ahead of their stores (MIN_BLOCKS 3), and 1024-thread
+    blocks that do not (1). Block widths that leave threads with odd and even numbers of packs,
+    and slices that end part-way through a stride, on two clusters looping over 9 rows."""
+    if not spec().has_clusters:
+        pytest.skip("needs thread-block clusters (sm_90 or newer)")
+    from dataclasses import replace
+
+    planned = ln_mod._plan
+    threads = [0]
+
+    def forced(*args, **kwargs):
+        plan = planned(*args, **kwargs)
+        assert plan.variant is Variant.CLUSTER, plan
+        return replace(plan, block=(threads[0], 1), grid=2 * plan.cluster)
+
+    monkeypatch.setattr(ln_mod, "_plan", forced)
+    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
+    wide = 16 // ITEM[dtype]
+    layer = op == "layer_norm"
+    for cols in ((edge // wide + 1) * wide, 5 * (edge // wide) * wide + 3 * wide,
+                 3 * (edge // wide) * wide + 1):
+        for threads[0], want in ((256, 3), (512, 3), (1024, 1)):
+            monkeypatch.setattr(ln_mod, "_launches", {})
+            monkeypatch.setattr(ln_mod, "_fresh", {})
+            x = make((9, cols), dtype, rng)
+            w = make(cols, dtype, rng, 1.0, 1.0)
+            b = make(cols, dtype, rng, 1.0, 0.0) if layer else None
+            check_forward(op, x, cols, w, b, None, dtype)
+            plan = ln_mod.last_plan(op)
+            assert plan.threads == threads[0] and not plan.overlap, plan
+            assert plan.min_blocks == want and plan.name_expression().endswith(f", {want}>")
+
+
 def _variant_cases(op, dtype):
     """Columns that reach the warp, block, cluster (Hopper) and uncached kernels."""
     edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, True)
