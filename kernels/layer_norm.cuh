@@ -496,6 +496,13 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
     const C rs = Math<C>::rsqrt(var + eps);
     if (writer && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
     const Centre<C, TWO_STEP> at{k, m};
+    auto write = [&](int q, const typename St::template Params<PACK>& par) {  // y at pack q
+      C v[PACK];
+      cache.get(q - p0, v);
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
+      st.template store_fetched<PACK>(v, par, row, q * PACK);
+    };
     if constexpr (!OVERLAP) {
       // gamma and beta of V packs in flight at once, then their stores (see AffineStore)
       for (int p = p0 + threadIdx.x; p < p1; p += V * stride) {
@@ -506,13 +513,8 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
         }
 #pragma unroll
         for (int u = 0; u < V; ++u) {
-          const int q = p + u * stride;
-          if (q >= p1) break;
-          C v[PACK];
-          cache.get(q - p0, v);
-#pragma unroll
-          for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
-          st.template store_fetched<PACK>(v, par[u], row, q * PACK);
+          if (p + u * stride >= p1) break;
+          write(p + u * stride, par[u]);
         }
       }
     } else {
@@ -530,11 +532,7 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
         for (int u = 0; u < U; ++u) {
           const int q = p + u * stride;
           if (q >= p1) break;
-          C v[PACK];
-          cache.get(q - p0, v);
-#pragma unroll
-          for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
-          st.template store<PACK>(v, row, q * PACK);
+          write(q, st.template fetch<PACK>(q * PACK));  // the next row's loads are in flight
         }
         if (more) {
 #pragma unroll
