@@ -60,6 +60,9 @@ OVERLAP_RESIDENT = 1024
 # An op with OpInfo.split_lone_blocks moves a row whose block would leave at most this many
 # threads on an SM to a cluster of blocks that share SMs (_plan_cluster's first rule)
 LONE_BLOCK_RESIDENT = 1024
+# A layer norm cluster plan over 16-bit rows with a weight or bias takes two rows a pass
+# (Plan.rows_per_pass) from this many columns (_plan_cluster)
+PAIRED_MIN_COLS = 131072
 STATIC_SMEM = 2048  # kept back from the opt-in limit for static shared memory (up to 1.6 KiB)
 
 
@@ -121,6 +124,13 @@ class OpInfo:
     # row (a group of 8 lanes) it measured 0.4-0.6 points slower, and with a residual (x and
     # the residual loaded, h stored) 2-3.5 points slower at 32-64 columns: not then.
     two_packs_a_lane: bool = False
+    # The indices in `extra` of switches that give each row a parameter row to read (weight,
+    # bias): a cluster plan over 16-bit rows with one on may take two rows a pass
+    # (Plan.rows_per_pass, _plan_cluster); layer norm only, as measured
+    param_switches: tuple[int, ...] = ()
+    # Cluster plans of this many blocks or more run as one wave of clusters looping over rows
+    # (_plan_cluster); 0: never by size
+    one_wave_cluster: int = 0
 
 
 _TF = ("false", "true")
@@ -136,11 +146,12 @@ OPS: dict[str, OpInfo] = {
     "log_softmax_backward": OpInfo("softmax", "softmax_grad", 1, 2),
     # extra = (WEIGHT, BIAS, RESIDUAL)
     "layer_norm": OpInfo("layer_norm", "layer_norm", 0, 1, **_NORM, overlap_switch=2,
-                         split_lone_blocks=True, two_packs_a_lane=True,
+                         split_lone_blocks=True, two_packs_a_lane=True, param_switches=(0, 1),
+                         one_wave_cluster=16,
                          extras=tuple((w, b, r) for w in _TF for b in _TF for r in _TF),
                          switches=("weight", "bias", "residual")),
     "rms_norm": OpInfo("layer_norm", "layer_norm", 1, 1, **_NORM, overlap_switch=2,
-                       split_lone_blocks=True, two_packs_a_lane=True,
+                       split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16,
                        extras=tuple((w, "false", r) for w in _TF for r in _TF),
                        switches=("weight", "bias", "residual")),
     # extra = (WEIGHT,): dx uses dy * gamma, and dgamma (and dbeta) are summed over rows
@@ -188,6 +199,9 @@ class Plan:
     # A cached kernel of an op with OpInfo.overlap_switch: each block loads its next row while
     # it writes this one (the kernel's last template argument)
     overlap: bool = False
+    # A forward norm cluster plan: the rows each cluster caches and writes in one pass, its
+    # blocks' gamma and beta loaded once for them (the kernel's last template argument, ROWS)
+    rows_per_pass: int = 1
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -229,7 +243,7 @@ class Plan:
         if info.overlap_switch >= 0 and self.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
             args.append("true" if self.overlap else "false")
         if info.overlap_switch >= 0 and self.variant is Variant.CLUSTER:
-            args.append(self.min_blocks)
+            args += [self.min_blocks, self.rows_per_pass]
         return f"cukern::{info.kernel}_{self.variant.value}<{', '.join(map(str, args))}>"
 
     @property
@@ -253,6 +267,9 @@ class Plan:
             ]
         if self.variant is Variant.CLUSTER:
             lines.append(f"  cluster            {self.cluster} blocks per row")
+            if self.rows_per_pass > 1:
+                lines.append(f"  rows_per_pass      {self.rows_per_pass} (gamma and beta read "
+                             "once for them)")
         if self.overlap:
             lines.append("  overlap            each block loads its next row as it writes one")
         lines += [
@@ -317,6 +334,15 @@ def _two_packs(info: OpInfo, extra: tuple[str, ...], pack_bytes: int) -> bool:
     full 16-byte packs, and no residual (the overlap switch)."""
     residual = info.overlap_switch >= 0 and extra[info.overlap_switch] == "true"
     return info.two_packs_a_lane and pack_bytes == 16 and not residual
+
+
+def _may_pair(info: OpInfo, extra: tuple[str, ...], dtype: str) -> bool:
+    """Whether a cluster plan may take two rows a pass (Plan.rows_per_pass, _plan_cluster):
+    16-bit rows with a parameter switch on (OpInfo.param_switches) and no residual (the overlap
+    switch: clusters that overlap their rows take one a pass)."""
+    residual = info.overlap_switch >= 0 and extra[info.overlap_switch] == "true"
+    return (ITEMSIZE[dtype] == 2 and not residual
+            and any(extra[i] == "true" for i in info.param_switches))
 
 
 def warp_shape(cols: int, pack: int, rows: int, pow2: bool = False,
@@ -414,6 +440,8 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         return _uncached(base, no_warp, col_sums, device, rows)
     # The kernels can overlap a block's rows (OpInfo.overlap_switch, Plan.overlap)
     overlap = info.overlap_switch >= 0 and extra[info.overlap_switch] == "true"
+    # A cluster may take two rows a pass (Plan.rows_per_pass)
+    paired = rows >= 2 and cols >= PAIRED_MIN_COLS and _may_pair(info, extra, dtype)
     smem = cols * smem_per_col + info.smem_align
     candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
                      **no_warp, **base)
@@ -436,7 +464,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
         if info.split_lone_blocks and device.has_clusters and not strided and \
                 occ128 * plan.threads <= LONE_BLOCK_RESIDENT:
             shared = _plan_cluster(base, no_warp, cols, pack, smem_per_col, device, occ, rows,
-                                   shared_only=True)
+                                   shared_only=True, paired=paired)
             if shared is not None:
                 return _replace(shared, notes=shared.notes + (
                     f"one block of {plan.threads} threads would be alone on its SM",))
@@ -444,7 +472,7 @@ def plan_rowwise(op: str, rows: int, cols: int, dtype: str, device: DeviceSpec,
 
     if device.has_clusters and not strided:
         plan = _plan_cluster(base, no_warp, cols, pack, smem_per_col, device, occ, rows,
-                             overlap)
+                             overlap, paired=paired)
         if plan is not None:
             return plan
 
@@ -482,7 +510,8 @@ def _plan_overlap(plan: Plan, per_sm: int, widest: int, device: DeviceSpec, occ:
 
 def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col: int,
                   device: DeviceSpec, occ: Occupancy, rows: int,
-                  overlap: bool = False, shared_only: bool = False) -> Plan | None:
+                  overlap: bool = False, shared_only: bool = False,
+                  paired: bool = False, rows_per_pass: int = 1) -> Plan | None:
     """A row too long for one block's shared memory, split over a thread-block cluster.
 
     Each block of a cluster reads its slice into shared memory, the row's reductions meet in
@@ -504,23 +533,41 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
     The grid: one wave of resident clusters (the driver's count when it gives one), each
     looping over rows, where the op's blocks overlap rows (softmax; the norms with a residual,
     ``overlap``: 92% of copy against 76% for float16 layer norm at 131072 columns, 4 blocks
-    of 512 threads, 2 per SM) or only one block fits an SM; else OneFlow's waves of clusters
-    (the norms, 1-4 points faster at 3 blocks per SM).
+    of 512 threads, 2 per SM) or only one block fits an SM, or for clusters of two rows a
+    pass and of the op's ``one_wave_cluster`` blocks or more; else OneFlow's waves of clusters
+    (the norms, 1-4 points faster at 3 blocks per SM, but for layer norm float32 at 262144
+    columns, 16 blocks of 512 threads: 82.8% in waves, 86.7% in one wave).
 
     ``shared_only``: rule 1 or nothing (None), for a row that one block could hold alone
     (OpInfo.split_lone_blocks).
+
+    ``paired``: first rule 1 for clusters that cache two rows a pass (Plan.rows_per_pass),
+    twice as many blocks with the same slice, each block's slice of gamma and beta read once
+    for both rows. Measured on the H100 for layer norm (% of copy, one wave of paired clusters
+    against one row a pass in waves, means of three runs): float16 at 131072 columns 89.6 ->
+    92.0 (weight and bias), 92.2 -> 92.9 (weight); bfloat16 90.8 -> 91.5 and 89.6 -> 92.7; at
+    262144 columns float16 88.0 -> 88.7 and 90.7 -> 90.2, bfloat16 88.4 -> 87.7 and 86.9 ->
+    89.7. Not taken where it lost: float32 at 32768-131072 columns (1.4-4.8 points), 16-bit at
+    65536 (up to 3.2), RMS norm (0.6-1.9 at 131072-262144 columns), and paired clusters in
+    OneFlow's waves (2-6 points below one row a pass).
     """
+    if paired:
+        plan = _plan_cluster(base, no_warp, cols, pack, smem_per_col, device, occ, rows,
+                             shared_only=True, rows_per_pass=2)
+        if plan is not None:
+            return plan
     info = OPS[base["op"]]
     fits = []
     for size in CLUSTER_SIZES:
         slice_packs = -(-(cols // pack) // size)
-        smem = slice_packs * pack * smem_per_col + info.smem_align
+        smem = rows_per_pass * slice_packs * pack * smem_per_col + info.smem_align
         if smem <= max_dynamic_smem(device):
             fits.append((size, smem))
 
     def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
         plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
-                    cluster=size, overlap=overlap, **no_warp, **base)
+                    cluster=size, overlap=overlap, rows_per_pass=rows_per_pass, **no_warp,
+                    **base)
         return plan, occ(plan)
 
     shared = (cluster(size, smem, threads) for size, smem in fits for threads in CLUSTER_SHARED)
@@ -536,13 +583,17 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
     plan, per_sm = choice
     size = plan.cluster
     resident = _resident_clusters(plan, per_sm, device, occ)
-    if info.rows_overlap or overlap or per_sm == 1:
+    one_wave = rows_per_pass > 1 or 0 < info.one_wave_cluster <= size
+    if info.rows_overlap or overlap or per_sm == 1 or one_wave:
         clusters, grid_note = resident, f"one wave of {resident} clusters"
     else:
         clusters, grid_note = resident * WAVES, f"up to {WAVES} waves of {resident} clusters"
     notes = (f"row split over a cluster of {size} blocks, {plan.smem_bytes} bytes of shared "
              f"memory each, {per_sm} resident per SM; {grid_note}",)
-    return _replace(plan, grid=max(1, min(rows, clusters)) * size, notes=notes)
+    if rows_per_pass > 1:
+        notes += (f"{rows_per_pass} rows a pass, each block's gamma and beta read once for them",)
+    passes = -(-rows // rows_per_pass)
+    return _replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
 
 
 def _resident_clusters(plan: Plan, per_sm: int, device: DeviceSpec, occ: Occupancy) -> int:
@@ -989,4 +1040,9 @@ def reachable_plans(op: str, dtype: str, device: DeviceSpec) -> set[str]:
                 names.add(Plan(variant=Variant.CLUSTER, block=(threads, 1), smem_bytes=0,
                                cluster=size, sums_in_registers=r, overlap=overlaps[-1],
                                gamma_in_smem=g, **no_warp, **base).name_expression())
+            if _may_pair(info, extra, dtype):  # _plan_cluster's rule 1, two rows a pass
+                for size, threads in itertools.product(CLUSTER_SIZES, CLUSTER_SHARED):
+                    names.add(Plan(variant=Variant.CLUSTER, block=(threads, 1), smem_bytes=0,
+                                   cluster=size, rows_per_pass=2, **no_warp,
+                                   **base).name_expression())
     return names

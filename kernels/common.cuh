@@ -649,6 +649,36 @@ template <typename C> struct Welford {
   }
 };
 
+// R states side by side (a pass's rows), all-reduced together: one barrier for all of them.
+// remote() reads them where merge_cluster's slot holds them, R structs in a row.
+template <typename S, int R> struct Several {
+  S s[R];
+  static __device__ __forceinline__ Several identity() {
+    Several t;
+#pragma unroll
+    for (int r = 0; r < R; ++r) t.s[r] = S::identity();
+    return t;
+  }
+  static __device__ __forceinline__ Several merge(const Several& a, const Several& b) {
+    Several t;
+#pragma unroll
+    for (int r = 0; r < R; ++r) t.s[r] = S::merge(a.s[r], b.s[r]);
+    return t;
+  }
+  __device__ __forceinline__ Several shfl_xor(int mask) const {
+    Several t;
+#pragma unroll
+    for (int r = 0; r < R; ++r) t.s[r] = s[r].shfl_xor(mask);
+    return t;
+  }
+  static __device__ __forceinline__ Several remote(unsigned addr) {
+    Several t;
+#pragma unroll
+    for (int r = 0; r < R; ++r) t.s[r] = S::remote(addr + r * static_cast<unsigned>(sizeof(S)));
+    return t;
+  }
+};
+
 // All-reduce inside groups of `width` consecutive lanes (a power of two <= 32, the same for the
 // whole warp). Every lane of the warp must call it.
 template <typename S> __device__ __forceinline__ S allreduce_group(S v, int width) {

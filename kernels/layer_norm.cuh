@@ -394,14 +394,16 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
 // All-reduces for norm_rows over the block, or the cluster (generic lambdas would do, but NVRTC
 // compiles their call operator as host code when many kernels share a program). `last`: the
 // block's (and cluster's) final call. operator(): a state over the block or the cluster;
-// block(): a sum over the block; blocks(): merges the blocks' (block-uniform) states over the
+// block(): a state over the block; blocks(): merges the blocks' (block-uniform) states over the
 // cluster, where the block kernel has nothing to merge.
 struct BlockReduce {
   unsigned phase = 0;  // allreduce_block's buffer phase
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool) {
     return allreduce_block(v, phase);
   }
-  template <typename C> __device__ __forceinline__ C block(C v) { return block_sum(v, phase); }
+  template <typename S> __device__ __forceinline__ S block(const S& v) {
+    return allreduce_block(v, phase);
+  }
   template <typename S> __device__ __forceinline__ S blocks(const S& v, bool) { return v; }
 };
 template <int CLUSTER> struct ClusterReduce {
@@ -409,30 +411,32 @@ template <int CLUSTER> struct ClusterReduce {
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return allreduce_cluster<CLUSTER>(v, phase, last);
   }
-  template <typename C> __device__ __forceinline__ C block(C v) {
-    return block_sum(v, block_phase);
+  template <typename S> __device__ __forceinline__ S block(const S& v) {
+    return allreduce_block(v, block_phase);
   }
   template <typename S> __device__ __forceinline__ S blocks(const S& v, bool last) {
     return merge_cluster<CLUSTER>(v, phase++ & 1u, last);
   }
 };
 
-// The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of every
-// `step`-th row from `row`, the slice cached in shared memory. Each thread sums the packs it
-// caches; the block all-reduces the sums (RMS norm: across the cluster too). Layer norm then
-// takes the exact squared deviations of the same cached values from the block's mean (no
-// barrier: a thread reads back only what it wrote) and all-reduces them over the block: two
-// all-reduces of one sum, where Chan's merges of (count, mean, M2) states cost a reciprocal
-// and some fifteen more instructions a shuffle (float16 at 2048 columns, 128 threads: 93% of
-// copy with the merges, 98% without; bfloat16 88% -> 99%). A cluster merges its blocks'
-// (count, mean, M2) by Chan's formula once, in warp 0. Then y from the cache. x alone, in
-// packs of at least 4 bytes, reaches the cache by asynchronous copies, all
-// of a thread's packs in flight at once (the compiler otherwise may issue them one at a time);
-// x + residual (written to h as it is cached) by loads U packs at a time.
+// The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of R rows at
+// a time (rows row .. row + R - 1, then `step` rows on), each row's slice cached in shared
+// memory (row r's at smem + r * slice). Each thread sums the packs it caches; the block
+// all-reduces the sums (RMS norm: across the cluster too). Layer norm then takes the exact
+// squared deviations of the same cached values from the block's mean (no barrier: a thread
+// reads back only what it wrote) and all-reduces them over the block: two all-reduces of one
+// sum, where Chan's merges of (count, mean, M2) states cost a reciprocal and some fifteen more
+// instructions a shuffle (float16 at 2048 columns, 128 threads: 93% of copy with the merges,
+// 98% without; bfloat16 88% -> 99%). A cluster merges its blocks' (count, mean, M2) by Chan's
+// formula once, in warp 0. The R rows share each all-reduce. Then y from the cache, each pack's
+// gamma and beta loaded once for the R rows. x alone, in packs of at least 4 bytes, reaches the
+// cache by asynchronous copies, all of a thread's packs (of all R rows) in flight at once (the
+// compiler otherwise may issue them one at a time); x + residual (written to h as it is cached)
+// by loads U packs at a time.
 //
-// OVERLAP (the planner's choice, _plan_overlap): each thread loads the next row U packs ahead
-// into registers while it writes this row's y from the cache, and puts them in the slots it
-// has just written out (its own: no barrier), summing as it goes. A block then keeps memory
+// OVERLAP (the planner's choice, _plan_overlap; R = 1): each thread loads the next row U packs
+// ahead into registers while it writes this row's y from the cache, and puts them in the slots
+// it has just written out (its own: no barrier), summing as it goes. A block then keeps memory
 // busy on its own, for some 20 more registers a thread. Measured on the H100 with a residual:
 // 94-96% of copy against 85-90% where OneFlow's blocks leave 1024 threads or fewer on an SM
 // (float16 at 65536 columns, float32 at 8192-32768) and for clusters; where more share an SM,
@@ -441,38 +445,51 @@ template <int CLUSTER> struct ClusterReduce {
 // (A running Welford merge in the load loop measured 20-25% slower: its dependent chain holds
 // back the next loads.)
 template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, int V,
-          typename T, typename C, typename Ld, typename St, typename Reduce>
-__device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, const T* x,
-                                          i64 sx, C* mean, C* rstd, C eps, i64 row, i64 rows,
-                                          i64 step, int cols, int p0, int p1, bool writer,
-                                          Reduce reduce) {
+          int R, typename T, typename C, typename Ld, typename St, typename Reduce>
+__device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, const St& st,
+                                          const T* x, i64 sx, C* mean, C* rstd, C eps, i64 row,
+                                          i64 rows, i64 step, int cols, int p0, int p1,
+                                          bool writer, Reduce reduce) {
+  static_assert(R >= 1 && (R == 1 || !OVERLAP), "R rows a pass: 1 with OVERLAP");
   constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
   constexpr int U = RESIDUAL ? 2 : 4;  // packs of the next row in registers per thread
-  const SmemRow<T, C, PACK> cache{smem};
   const int stride = blockDim.x;
   if (row >= rows) return;  // uniform across the block (and the cluster)
-  C k, s;  // the row's shift K (the same in every block) and this thread's sum
-  auto fill = [&]() {  // row into the cache, and s
-    k = SHIFT ? ld.first(row) : C(0);
-    s = C(0);
+  auto cache = [&](int r) { return SmemRow<T, C, PACK>{smem + r * slice}; };
+  // whether the pass has row r (uniform across the block and the cluster)
+  auto has = [&](int r) { return r == 0 || row + r < rows; };
+  C k[R], s[R];  // each row's shift K (the same in every block) and this thread's sum
+  auto fill = [&]() {  // the pass's rows into the cache, and s
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      s[r] = C(0);
+      k[r] = SHIFT && has(r) ? ld.first(row + r) : C(0);
+      if (!has(r)) continue;
+      if constexpr (ASYNC) {
+        const T* src = x + (row + r) * sx;
+        for (int p = p0 + threadIdx.x; p < p1; p += stride) {
+          cp_async<PACK * sizeof(T)>(cache(r).base + (p - p0) * PACK, src + p * PACK);
+        }
+      } else {
+        scan_packs<C, PACK, PACK, 4>(ld, row + r, p0, p1, [&](int p, const C* v) {
+          cache(r).put(p - p0, v);
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) s[r] += norm_term<ALGO>(v[i], k[r]);
+        });
+      }
+    }
     if constexpr (ASYNC) {
-      const T* src = x + row * sx;
-      for (int p = p0 + threadIdx.x; p < p1; p += stride) {
-        cp_async<PACK * sizeof(T)>(cache.base + (p - p0) * PACK, src + p * PACK);
-      }
       cp_async_wait_all();
-      for (int p = p0 + threadIdx.x; p < p1; p += stride) {
-        C v[PACK];
-        cache.get(p - p0, v);
 #pragma unroll
-        for (int i = 0; i < PACK; ++i) s += norm_term<ALGO>(v[i], k);
+      for (int r = 0; r < R; ++r) {
+        if (!has(r)) continue;
+        for (int p = p0 + threadIdx.x; p < p1; p += stride) {
+          C v[PACK];
+          cache(r).get(p - p0, v);
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) s[r] += norm_term<ALGO>(v[i], k[r]);
+        }
       }
-    } else {
-      scan_packs<C, PACK, PACK, 4>(ld, row, p0, p1, [&](int p, const C* v) {
-        cache.put(p - p0, v);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) s += norm_term<ALGO>(v[i], k);
-      });
     }
   };
   if (OVERLAP) fill();  // later rows arrive during the rows before them
@@ -480,28 +497,56 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
     if (!OVERLAP) fill();
     const i64 next = row + step;
     const bool more = next < rows;  // uniform across the block (and the cluster)
-    C m = C(0), var;  // m: the mean of x - K
+    C m[R], rs[R];  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
-      // the block's exact mean, then the squared deviations from it: two all-reduces of one
-      // sum each; a cluster merges its blocks' (count, mean, M2) by Chan's formula
-      const C n = C((p1 - p0) * PACK), sb = reduce.block(s);
-      const C mb = n > C(0) ? sb / n : C(0);
-      const C q = reduce.block(own_squares<PACK>(cache, Centre<C, TWO_STEP>{k, mb}, p0, p1));
-      const Welford<C> w = reduce.blocks(Welford<C>{n, mb, q}, !more);
-      m = w.mean;
-      var = w.m2 / C(cols);
-    } else {
-      var = reduce(Sums<C, 1>{{s}}, !more).v[0] / C(cols);
-    }
-    const C rs = Math<C>::rsqrt(var + eps);
-    if (writer && threadIdx.x == 0) put_stats<ALGO>(mean, rstd, row, k + m, rs);
-    const Centre<C, TWO_STEP> at{k, m};
-    auto write = [&](int q, const typename St::template Params<PACK>& par) {  // y at pack q
-      C v[PACK];
-      cache.get(q - p0, v);
+      // the block's exact mean, then the squared deviations from it: two all-reduces; a
+      // cluster merges its blocks' (count, mean, M2) by Chan's formula
+      const C n = C((p1 - p0) * PACK);
+      Sums<C, R> sb, q;
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs;
-      st.template store_fetched<PACK>(v, par, row, q * PACK);
+      for (int r = 0; r < R; ++r) sb.v[r] = s[r];
+      sb = reduce.block(sb);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        sb.v[r] = n > C(0) ? sb.v[r] / n : C(0);  // the block's mean
+        q.v[r] = has(r) ? own_squares<PACK>(cache(r), Centre<C, TWO_STEP>{k[r], sb.v[r]}, p0, p1)
+                        : C(0);
+      }
+      q = reduce.block(q);
+      Several<Welford<C>, R> w;
+#pragma unroll
+      for (int r = 0; r < R; ++r) w.s[r] = Welford<C>{n, sb.v[r], q.v[r]};
+      w = reduce.blocks(w, !more);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        m[r] = w.s[r].mean;
+        rs[r] = Math<C>::rsqrt(w.s[r].m2 / C(cols) + eps);
+      }
+    } else {
+      Sums<C, R> t;
+#pragma unroll
+      for (int r = 0; r < R; ++r) t.v[r] = s[r];
+      t = reduce(t, !more);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        m[r] = C(0);
+        rs[r] = Math<C>::rsqrt(t.v[r] / C(cols) + eps);
+      }
+    }
+    if (writer && threadIdx.x == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (has(r)) put_stats<ALGO>(mean, rstd, row + r, k[r] + m[r], rs[r]);
+      }
+    }
+    // y of row r at pack q
+    auto write = [&](int r, int q, const typename St::template Params<PACK>& par) {
+      const Centre<C, TWO_STEP> at{k[r], m[r]};
+      C v[PACK];
+      cache(r).get(q - p0, v);
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs[r];
+      st.template store_fetched<PACK>(v, par, row + r, q * PACK);
     };
     if constexpr (!OVERLAP) {
       // gamma and beta of V packs in flight at once, then their stores (see AffineStore)
@@ -514,12 +559,15 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
 #pragma unroll
         for (int u = 0; u < V; ++u) {
           if (p + u * stride >= p1) break;
-          write(p + u * stride, par[u]);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (has(r)) write(r, p + u * stride, par[u]);
+          }
         }
       }
     } else {
       const C k_next = SHIFT && more ? ld.first(next) : C(0);
-      s = C(0);
+      s[0] = C(0);
       for (int p = p0 + threadIdx.x; p < p1; p += U * stride) {
         typename Ld::template Raw<PACK> nv[U];
         if (more) {
@@ -532,7 +580,7 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
         for (int u = 0; u < U; ++u) {
           const int q = p + u * stride;
           if (q >= p1) break;
-          write(q, st.template fetch<PACK>(q * PACK));  // the next row's loads are in flight
+          write(0, q, st.template fetch<PACK>(q * PACK));  // the next row's loads are in flight
         }
         if (more) {
 #pragma unroll
@@ -541,13 +589,13 @@ __device__ __forceinline__ void norm_rows(T* smem, const Ld& ld, const St& st, c
             if (q >= p1) break;
             C v[PACK];
             ld.template finish<PACK>(nv[u], v, next, q * PACK);
-            cache.put(q - p0, v);
+            cache(0).put(q - p0, v);
 #pragma unroll
-            for (int i = 0; i < PACK; ++i) s += norm_term<ALGO>(v[i], k_next);
+            for (int i = 0; i < PACK; ++i) s[0] += norm_term<ALGO>(v[i], k_next);
           }
         }
       }
-      k = k_next;
+      k[0] = k_next;
     }
     if (!more) return;
     row = next;
@@ -560,10 +608,9 @@ template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL,
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
   CUKERN_NORM_FWD_SETUP;
   BlockReduce reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1>(dynamic_smem<T>(), ld, st, x, sx,
-                                                            mean, rstd, eps, blockIdx.x, rows,
-                                                            gridDim.x, cols, 0, cols / PACK, true,
-                                                            reduce);
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1>(
+      dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
+      cols / PACK, true, reduce);
 }
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
@@ -610,25 +657,29 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // A cluster of CLUSTER blocks per row (sm_90): each block caches a slice of the row (see
-// norm_rows), and the blocks' statistics meet in distributed shared memory.
+// norm_rows), and the blocks' statistics meet in distributed shared memory. ROWS rows a pass
+// (consecutive; Plan.rows_per_pass): each block's slice of gamma and beta is read once for
+// them, where the slice, read from L2 for every row, would double or triple what the block
+// reads besides x.
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
-          bool OVERLAP, int MIN_BLOCKS>
+          bool OVERLAP, int MIN_BLOCKS, int ROWS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1)
 __launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
 layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   static_assert(MIN_BLOCKS == 1 || MIN_BLOCKS == 3, "MIN_BLOCKS: 1, or 3 blocks of <= 512 threads");
+  static_assert(ROWS == 1 || ROWS == 2, "ROWS: 1 or 2 rows a pass");
   CUKERN_NORM_FWD_SETUP;
-  constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 ? 2 : 1;
+  constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
   const int num_packs = cols / PACK;
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
+  const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // the widest block's
   ClusterReduce<CLUSTER> reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V>(aligned_dynamic_smem<T>(), ld, st,
-                                                            x, sx, mean, rstd, eps,
-                                                            blockIdx.x / CLUSTER, rows,
-                                                            gridDim.x / CLUSTER, cols, p0, p1,
-                                                            rank == 0, reduce);
+  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V, ROWS>(
+      aligned_dynamic_smem<T>(), slice, ld, st, x, sx, mean, rstd, eps,
+      static_cast<i64>(blockIdx.x / CLUSTER) * ROWS, rows,
+      static_cast<i64>(gridDim.x / CLUSTER) * ROWS, cols, p0, p1, rank == 0, reduce);
 }
 #endif
 

@@ -749,7 +749,12 @@ def test_explain_norm_switches():
             "--device", "h100", "--weight", "--bias")
     plain = run(*args).stdout
     # a lone block of 1024 threads: a cluster of two whose blocks share SMs
-    assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false, 3>" in plain
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false, 3, 1>" in plain
+    wide = run("explain", "layer-norm", "--shape", "1024x131072", "--dtype", "float16",
+               "--device", "h100", "--weight", "--bias").stdout
+    # two rows a pass over a cluster of 8 (_dispatch.PAIRED_MIN_COLS)
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3, 2>" in wide
+    assert "rows_per_pass      2" in wide and "rows_per_pass" not in plain
     fused = run(*args, "--residual").stdout
     assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, true, true>" in fused
     assert "overlap            each block" in fused and "overlap" not in plain

@@ -113,18 +113,20 @@ def test_name_expressions():
     p = plan_rowwise("rms_norm_backward", 8, 3000, "float64", A100)
     assert p.name_expression() == \
         "cukern::layer_norm_grad_block_smem<double, 1, 2, false, false, false>"
-    # a forward cluster's last argument: MIN_BLOCKS of its __launch_bounds__, 3 for blocks of
-    # at most 512 threads that do not overlap rows (at most 40 registers), else 1
+    # a forward cluster's last two arguments: MIN_BLOCKS of its __launch_bounds__, 3 for
+    # blocks of at most 512 threads that do not overlap rows (at most 40 registers), else 1;
+    # and ROWS, the rows it caches a pass (Plan.rows_per_pass)
     p = plan_rowwise("layer_norm", 512, 262144, "float16", H100, extra=("true", "true", "false"))
-    assert (p.variant, p.threads, p.overlap) == (Variant.CLUSTER, 512, False)
+    assert (p.variant, p.threads, p.overlap, p.rows_per_pass) == (Variant.CLUSTER, 512, False, 2)
     assert p.name_expression() == \
-        "cukern::layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3>"
-    assert _dispatch._replace(p, block=(256, 1)).name_expression().endswith(", false, 3>")
-    assert _dispatch._replace(p, block=(1024, 1)).name_expression().endswith(", false, 1>")
+        "cukern::layer_norm_cluster<cukern::f16, 0, 8, 16, true, true, false, false, 3, 2>"
+    assert _dispatch._replace(p, block=(256, 1)).name_expression().endswith(", false, 3, 2>")
+    assert _dispatch._replace(p, block=(1024, 1)).name_expression().endswith(", false, 1, 2>")
+    assert _dispatch._replace(p, rows_per_pass=1).name_expression().endswith(", false, 3, 1>")
     p = plan_rowwise("rms_norm", 512, 262144, "float32", H100, extra=("true", "false", "true"))
     assert p.variant is Variant.CLUSTER and p.overlap
     assert p.name_expression() == \
-        f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1>"
+        f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1, 1>"
     # the default extra is the first listed: no weight, no bias, no residual
     assert plan_rowwise("layer_norm", 4, 64, "float32", H100).extra == ("false",) * 3
     assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).extra == ("false",)
@@ -476,8 +478,63 @@ def test_residual_blocks_overlap_their_rows(op):
     d = plan_rowwise(op, 1024, 131072, "float16", H100, extra=plain)
     assert c.variant is d.variant is Variant.CLUSTER and c.overlap and not d.overlap
     per_sm = H100.model_occupancy(d.threads, d.smem_bytes)
-    assert per_sm > 1 and d.grid == min(1024, 132 * per_sm // d.cluster * 32) * d.cluster
-    assert c.grid == 132 * per_sm // c.cluster * c.cluster
+    # without a residual: OneFlow's waves of clusters, but one wave of layer norm's clusters of
+    # two rows a pass (test_paired_rows)
+    assert d.rows_per_pass == (2 if op == "layer_norm" else 1)
+    waves = 1 if d.rows_per_pass == 2 else 32
+    assert per_sm > 1 and d.grid == min(1024 // d.rows_per_pass,
+                                        132 * per_sm // d.cluster * waves) * d.cluster
+    assert c.rows_per_pass == 1 and c.grid == 132 * per_sm // c.cluster * c.cluster
+
+
+def test_paired_rows():
+    """Layer norm's clusters over 16-bit rows of PAIRED_MIN_COLS columns or more, with a weight
+    or bias and no residual, cache two rows a pass on twice the blocks (rule 1 of
+    _plan_cluster: three blocks of 512 threads an SM), in one wave of clusters. Not RMS norm,
+    not float32 or float64, not below PAIRED_MIN_COLS, not a single row. Clusters of 16
+    blocks (float32 at 262144 columns) run in one wave too; smaller ones of one row a pass
+    in OneFlow's waves."""
+    lim = _dispatch.PAIRED_MIN_COLS
+    wb = ("true", "true", "false")
+    for dt in ("float16", "bfloat16"):
+        for extra in (wb, ("true", "false", "false"), ("false", "true", "false")):
+            for cols in (lim, 2 * lim):
+                p = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=extra)
+                one = _dispatch._replace(p, rows_per_pass=1)
+                assert p.variant is Variant.CLUSTER and p.rows_per_pass == 2, p
+                assert p.threads == 512 and p.min_blocks == 3 and not p.overlap
+                per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
+                assert per_sm == 3
+                # each block holds two slices of a cluster twice as wide as one row needs
+                slice_bytes = -(-cols // 8 // p.cluster) * 16
+                assert p.smem_bytes == 2 * slice_bytes + 128
+                q = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=("false",) * 3)
+                assert q.rows_per_pass == 1 and q.cluster * 2 == p.cluster, q
+                # one wave: 501 passes over the resident clusters
+                assert p.grid == min(501, 132 * per_sm // p.cluster) * p.cluster
+                assert one.name_expression().endswith(", 3, 1>")
+                assert p.name_expression().endswith(", 3, 2>")
+                assert "rows_per_pass      2" in str(p) and "2 rows a pass" in str(p)
+        # the rows it may not pair
+        for op, rows, cols, ex in (("layer_norm", 1001, lim // 2, wb),
+                                   ("layer_norm", 1, lim, wb),
+                                   ("layer_norm", 1001, lim, ("false",) * 3),
+                                   ("layer_norm", 1001, lim, ("true", "true", "true")),
+                                   ("rms_norm", 1001, lim, ("true", "false", "false"))):
+            p = plan_rowwise(op, rows, cols, dt, H100, extra=ex)
+            assert p.variant is Variant.CLUSTER and p.rows_per_pass == 1, (op, rows, cols, ex)
+            assert "rows_per_pass" not in str(p)
+    for dt in ("float32", "float64"):
+        p = plan_rowwise("layer_norm", 1001, 2 * lim, dt, H100, extra=wb)
+        assert p.variant is Variant.CLUSTER and p.rows_per_pass == 1
+    # one wave for clusters of 16 blocks, OneFlow's waves for smaller ones
+    p = plan_rowwise("layer_norm", 512, 262144, "float32", H100, extra=wb)
+    per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
+    assert (p.cluster, p.rows_per_pass, per_sm) == (16, 1, 3)
+    assert p.grid == 132 * 3 // 16 * 16
+    p = plan_rowwise("layer_norm", 1024, 131072, "float32", H100, extra=wb)
+    per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
+    assert p.cluster == 8 and p.grid == min(1024, 132 * per_sm // 8 * 32) * 8
 
 
 def test_backward_with_weight_uses_one_wave_of_blocks():
@@ -561,12 +618,17 @@ def test_reachable_sets():
 
             def switches(name):
                 """The op's switches: the forward's cached kernels end in Plan.overlap (its
-                clusters in Plan.overlap, then Plan.min_blocks)."""
+                clusters in Plan.overlap, Plan.min_blocks, then Plan.rows_per_pass)."""
                 args = name[:-1].split(", ")
                 if OPS[op].overlap_switch >= 0 and "_cluster<" in name:
+                    # two rows a pass only for 16-bit layer norm with weight or bias, blocks of
+                    # at most 512 threads (MIN_BLOCKS 3) and no overlap
+                    assert args[-1] == "1" or (args[-1] == "2" and args[-2] == "3" and ITEM[dt] == 2
+                                               and op == "layer_norm" and "true" in args[-6:-4]
+                                               ), name
                     # MIN_BLOCKS 3 only for blocks that do not overlap their rows
-                    assert args[-1] == "1" or args[-1] == "3" and args[-2] == "false", name
-                    args = args[:-1]
+                    assert args[-2] == "1" or args[-2] == "3" and args[-3] == "false", name
+                    args = args[:-2]
                 if OPS[op].overlap_switch >= 0 and ("_warp<" not in name and
                                                     "_uncached<" not in name):
                     assert args[-1] in ("false", "true")
@@ -583,9 +645,15 @@ def test_reachable_sets():
             if OPS[op].overlap_switch >= 0:  # both ways with a residual, for the block kernel
                 assert any(n.endswith(", true, true>") and "_block_smem<" in n for n in kernels)
                 assert any(n.endswith(", true, false>") and "_block_smem<" in n for n in kernels)
-                # clusters: both launch bounds without overlap, the wide one with it
-                for end in (", false, false, 1>", ", false, false, 3>", ", true, true, 1>"):
+                # clusters: both launch bounds without overlap, the wide one with it; two rows a
+                # pass for 16-bit layer norm
+                ends = [", false, false, 1, 1>", ", false, false, 3, 1>", ", true, true, 1, 1>"]
+                if op == "layer_norm" and ITEM[dt] == 2:
+                    ends.append(", false, false, 3, 2>")
+                for end in ends:
                     assert any(n.endswith(end) and "_cluster<" in n for n in kernels), end
+                assert any(n.endswith(", 2>") and "_cluster<" in n for n in kernels) is (
+                    op == "layer_norm" and ITEM[dt] == 2)
             if op in BWD:
                 assert f"cukern::norm_param_grad_reduce<{CPP[dt]}>" in names
                 algo = OPS[op].algo

@@ -373,7 +373,57 @@ def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
             check_forward(op, x, cols, w, b, None, dtype)
             plan = ln_mod.last_plan(op)
             assert plan.threads == threads[0] and not plan.overlap, plan
-            assert plan.min_blocks == want and plan.name_expression().endswith(f", {want}>")
+            assert plan.min_blocks == want
+            assert plan.name_expression().endswith(f", {want}, {plan.rows_per_pass}>")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD)
+def test_forward_paired_rows(op, dtype, rng, monkeypatch):
+    """Clusters that cache two rows a pass (Plan.rows_per_pass; the planner's choice for 16-bit
+    layer norm with a weight or bias from PAIRED_MIN_COLS columns, forced here on a cluster of
+    twice the planned size, or of 16 blocks with twice the slice, for every dtype, both ops and
+    every parameter switch). Rows 1, 3 and 9, so that a pass may lack its second row, on one
+    cluster looping over the passes, on two, and on one cluster a pass; slices that end
+    part-way through a stride, and packs of one element."""
+    if not spec().has_clusters:
+        pytest.skip("needs thread-block clusters (sm_90 or newer)")
+    from dataclasses import replace
+
+    planned = ln_mod._plan
+    clusters = [0]
+
+    def paired(*args, **kwargs):
+        plan = planned(*args, **kwargs)
+        assert plan.variant is Variant.CLUSTER and not plan.overlap, plan
+        if plan.rows_per_pass == 1:  # twice the blocks, or else twice the slice
+            size = min(2 * plan.cluster, max(CLUSTER_SIZES))
+            slice_packs = -(-(plan.cols // plan.pack_size) // size)
+            smem = 2 * slice_packs * plan.pack_size * ITEM[dtype] + OPS[op].smem_align
+            assert smem <= max_dynamic_smem(spec()), plan
+            plan = replace(plan, cluster=size, rows_per_pass=2, smem_bytes=smem)
+        passes = -(-plan.rows // 2)
+        return replace(plan, grid=(clusters[0] or passes) * plan.cluster)
+
+    monkeypatch.setattr(ln_mod, "_plan", paired)
+    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
+    wide = 16 // ITEM[dtype]
+    layer = op == "layer_norm"
+    switches = ((True, True), (True, False), (False, True), (False, False)) if layer else \
+        ((True, False), (False, False))
+    for cols, every in (((edge // wide + 1) * wide, False),
+                        (3 * (edge // wide) * wide + 1, False),
+                        (5 * (edge // wide) * wide + 3 * wide, True)):
+        for (weight, bias) in (switches if every else switches[:1]):
+            for rows, clusters[0] in ((9, 2), (3, 1), (1, 0), (9, 0)):
+                monkeypatch.setattr(ln_mod, "_launches", {})
+                monkeypatch.setattr(ln_mod, "_fresh", {})
+                x = make((rows, cols), dtype, rng)
+                w = make(cols, dtype, rng, 1.0, 1.0) if weight else None
+                b = make(cols, dtype, rng, 1.0, 0.0) if bias else None
+                check_forward(op, x, cols, w, b, None, dtype)
+                plan = ln_mod.last_plan(op)
+                assert plan.rows_per_pass == 2 and plan.name_expression().endswith(", 2>"), plan
 
 
 def _variant_cases(op, dtype):
