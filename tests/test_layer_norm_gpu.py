@@ -339,6 +339,32 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
             assert plan.overlap is want, plan
 
 
+def _force_cluster_plans(monkeypatch, change):
+    """Route the forward's plans through change(plan), each a cluster's (skips without
+    clusters)."""
+    if not spec().has_clusters:
+        pytest.skip("needs thread-block clusters (sm_90 or newer)")
+    planned = ln_mod._plan
+
+    def forced(*args, **kwargs):
+        plan = planned(*args, **kwargs)
+        assert plan.variant is Variant.CLUSTER, plan
+        return change(plan)
+
+    monkeypatch.setattr(ln_mod, "_plan", forced)
+
+
+def _check_forced(op, dtype, rng, monkeypatch, rows, cols, weight, bias):
+    """check_forward on fresh random data, planned afresh; the plan that ran."""
+    monkeypatch.setattr(ln_mod, "_launches", {})
+    monkeypatch.setattr(ln_mod, "_fresh", {})
+    x = make((rows, cols), dtype, rng)
+    w = make(cols, dtype, rng, 1.0, 1.0) if weight else None
+    b = make(cols, dtype, rng, 1.0, 0.0) if bias else None
+    check_forward(op, x, cols, w, b, None, dtype)
+    return ln_mod.last_plan(op)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", FWD)
 def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
@@ -346,32 +372,18 @@ def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
     that load two packs' gamma and beta ahead of their stores (MIN_BLOCKS 3), and 1024-thread
     blocks that do not (1). Block widths that leave threads with odd and even numbers of packs,
     and slices that end part-way through a stride, on two clusters looping over 9 rows."""
-    if not spec().has_clusters:
-        pytest.skip("needs thread-block clusters (sm_90 or newer)")
     from dataclasses import replace
 
-    planned = ln_mod._plan
     threads = [0]
-
-    def forced(*args, **kwargs):
-        plan = planned(*args, **kwargs)
-        assert plan.variant is Variant.CLUSTER, plan
-        return replace(plan, block=(threads[0], 1), grid=2 * plan.cluster)
-
-    monkeypatch.setattr(ln_mod, "_plan", forced)
+    _force_cluster_plans(monkeypatch, lambda plan: replace(plan, block=(threads[0], 1),
+                                                           grid=2 * plan.cluster))
     edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
-    layer = op == "layer_norm"
     for cols in ((edge // wide + 1) * wide, 5 * (edge // wide) * wide + 3 * wide,
                  3 * (edge // wide) * wide + 1):
         for threads[0], want in ((256, 3), (512, 3), (1024, 1)):
-            monkeypatch.setattr(ln_mod, "_launches", {})
-            monkeypatch.setattr(ln_mod, "_fresh", {})
-            x = make((9, cols), dtype, rng)
-            w = make(cols, dtype, rng, 1.0, 1.0)
-            b = make(cols, dtype, rng, 1.0, 0.0) if layer else None
-            check_forward(op, x, cols, w, b, None, dtype)
-            plan = ln_mod.last_plan(op)
+            plan = _check_forced(op, dtype, rng, monkeypatch, 9, cols, True,
+                                 op == "layer_norm")
             assert plan.threads == threads[0] and not plan.overlap, plan
             assert plan.min_blocks == want
             assert plan.name_expression().endswith(f", {want}, {plan.rows_per_pass}>")
@@ -386,16 +398,12 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
     every parameter switch). Rows 1, 3 and 9, so that a pass may lack its second row, on one
     cluster looping over the passes, on two, and on one cluster a pass; slices that end
     part-way through a stride, and packs of one element."""
-    if not spec().has_clusters:
-        pytest.skip("needs thread-block clusters (sm_90 or newer)")
     from dataclasses import replace
 
-    planned = ln_mod._plan
     clusters = [0]
 
-    def paired(*args, **kwargs):
-        plan = planned(*args, **kwargs)
-        assert plan.variant is Variant.CLUSTER and not plan.overlap, plan
+    def paired(plan):
+        assert not plan.overlap, plan
         if plan.rows_per_pass == 1:  # twice the blocks, or else twice the slice
             size = min(2 * plan.cluster, max(CLUSTER_SIZES))
             slice_packs = -(-(plan.cols // plan.pack_size) // size)
@@ -405,24 +413,17 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
         passes = -(-plan.rows // 2)
         return replace(plan, grid=(clusters[0] or passes) * plan.cluster)
 
-    monkeypatch.setattr(ln_mod, "_plan", paired)
+    _force_cluster_plans(monkeypatch, paired)
     edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
-    layer = op == "layer_norm"
-    switches = ((True, True), (True, False), (False, True), (False, False)) if layer else \
-        ((True, False), (False, False))
+    switches = ((True, True), (True, False), (False, True), (False, False)) \
+        if op == "layer_norm" else ((True, False), (False, False))
     for cols, every in (((edge // wide + 1) * wide, False),
                         (3 * (edge // wide) * wide + 1, False),
                         (5 * (edge // wide) * wide + 3 * wide, True)):
         for (weight, bias) in (switches if every else switches[:1]):
             for rows, clusters[0] in ((9, 2), (3, 1), (1, 0), (9, 0)):
-                monkeypatch.setattr(ln_mod, "_launches", {})
-                monkeypatch.setattr(ln_mod, "_fresh", {})
-                x = make((rows, cols), dtype, rng)
-                w = make(cols, dtype, rng, 1.0, 1.0) if weight else None
-                b = make(cols, dtype, rng, 1.0, 0.0) if bias else None
-                check_forward(op, x, cols, w, b, None, dtype)
-                plan = ln_mod.last_plan(op)
+                plan = _check_forced(op, dtype, rng, monkeypatch, rows, cols, weight, bias)
                 assert plan.rows_per_pass == 2 and plan.name_expression().endswith(", 2>"), plan
 
 
