@@ -397,6 +397,7 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
 // block(): a state over the block; blocks(): merges the blocks' (block-uniform) states over the
 // cluster, where the block kernel has nothing to merge.
 struct BlockReduce {
+  static constexpr bool kCluster = false;
   unsigned phase = 0;  // allreduce_block's buffer phase
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool) {
     return allreduce_block(v, phase);
@@ -407,6 +408,7 @@ struct BlockReduce {
   template <typename S> __device__ __forceinline__ S blocks(const S& v, bool) { return v; }
 };
 template <int CLUSTER> struct ClusterReduce {
+  static constexpr bool kCluster = true;
   unsigned phase = 0, block_phase = 0;
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return allreduce_cluster<CLUSTER>(v, phase, last);
@@ -493,8 +495,23 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     }
   };
   if (OVERLAP) fill();  // later rows arrive during the rows before them
+  // EARLY: a cluster's blocks, one row a pass, load their first V packs' gamma and beta before
+  // the all-reduces, which they then spend waiting at barriers; loaded after them, each pass
+  // began its stores with an L2 latency (see the session-14 notes in benchmarks/results). With
+  // two rows a pass that spilled registers (bfloat16) and did not help float16.
+  constexpr bool EARLY = !OVERLAP && Reduce::kCluster && R == 1;
+  typedef typename St::template Params<PACK> Par;
+  const int first = p0 + static_cast<int>(threadIdx.x);  // this thread's first pack
+  auto fetch_params = [&](int p, Par* par) {  // gamma and beta of V packs from pack p
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      if (p + u * stride < p1) par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
+    }
+  };
   for (;;) {
+    Par par[V];
     if (!OVERLAP) fill();
+    if (EARLY) fetch_params(first, par);
     const i64 next = row + step;
     const bool more = next < rows;  // uniform across the block (and the cluster)
     C m[R], rs[R];  // m: the mean of x - K
@@ -550,12 +567,8 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     };
     if constexpr (!OVERLAP) {
       // gamma and beta of V packs in flight at once, then their stores (see AffineStore)
-      for (int p = p0 + threadIdx.x; p < p1; p += V * stride) {
-        typename St::template Params<PACK> par[V];
-#pragma unroll
-        for (int u = 0; u < V; ++u) {
-          if (p + u * stride < p1) par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
-        }
+      for (int p = first; p < p1; p += V * stride) {
+        if (!EARLY || p != first) fetch_params(p, par);
 #pragma unroll
         for (int u = 0; u < V; ++u) {
           if (p + u * stride >= p1) break;
