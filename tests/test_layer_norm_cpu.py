@@ -116,10 +116,10 @@ def test_name_expressions():
     # a forward cluster's last two arguments: MIN_BLOCKS of its __launch_bounds__, 3 for
     # blocks of at most 512 threads that do not overlap rows (at most 40 registers), else 1;
     # and ROWS, the rows it caches a pass (Plan.rows_per_pass)
-    p = plan_rowwise("layer_norm", 512, 262144, "float16", H100, extra=("true", "true", "false"))
+    p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100, extra=("true", "true", "false"))
     assert (p.variant, p.threads, p.overlap, p.rows_per_pass) == (Variant.CLUSTER, 512, False, 2)
     assert p.name_expression() == \
-        "cukern::layer_norm_cluster<cukern::f16, 0, 8, 16, true, true, false, false, 3, 2>"
+        "cukern::layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3, 2>"
     assert _dispatch._replace(p, block=(256, 1)).name_expression().endswith(", false, 3, 2>")
     assert _dispatch._replace(p, block=(1024, 1)).name_expression().endswith(", false, 1, 2>")
     assert _dispatch._replace(p, rows_per_pass=1).name_expression().endswith(", false, 3, 1>")
@@ -490,15 +490,17 @@ def test_residual_blocks_overlap_their_rows(op):
 def test_paired_rows():
     """Layer norm's clusters over 16-bit rows of PAIRED_MIN_COLS columns or more, with a weight
     or bias and no residual, cache two rows a pass on twice the blocks (rule 1 of
-    _plan_cluster: three blocks of 512 threads an SM), in one wave of clusters. Not RMS norm,
-    not float32 or float64, not below PAIRED_MIN_COLS, not a single row. Clusters of 16
-    blocks (float32 at 262144 columns) run in one wave too; smaller ones of one row a pass
+    _plan_cluster: three blocks of 512 threads an SM), in one wave of clusters, where that
+    takes at most PAIRED_MAX_CLUSTER blocks. Not RMS norm, not float32 or float64, not below
+    PAIRED_MIN_COLS, not a single row, not where two rows would need 16 blocks. Clusters of
+    16 blocks (float32 at 262144 columns) run in one wave too; smaller ones of one row a pass
     in OneFlow's waves."""
     lim = _dispatch.PAIRED_MIN_COLS
+    assert _dispatch.PAIRED_MAX_CLUSTER == 8
     wb = ("true", "true", "false")
     for dt in ("float16", "bfloat16"):
         for extra in (wb, ("true", "false", "false"), ("false", "true", "false")):
-            for cols in (lim, 2 * lim):
+            for cols in (lim, 153344):
                 p = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=extra)
                 one = _dispatch._replace(p, rows_per_pass=1)
                 assert p.variant is Variant.CLUSTER and p.rows_per_pass == 2, p
@@ -515,6 +517,14 @@ def test_paired_rows():
                 assert one.name_expression().endswith(", 3, 1>")
                 assert p.name_expression().endswith(", 3, 2>")
                 assert "rows_per_pass      2" in str(p) and "2 rows a pass" in str(p)
+        # from 153352 columns two rows of 16-bit values need 16 blocks: one row a pass over 8
+        # blocks, in OneFlow's waves
+        for cols in (153352, 3 * lim // 2, 2 * lim):
+            p = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=wb)
+            per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
+            assert (p.variant, p.cluster, p.rows_per_pass) == (Variant.CLUSTER, 8, 1), p
+            assert per_sm >= 3 and p.grid == min(1001, 132 * per_sm // 8 * 32) * 8, p
+            assert p.name_expression().endswith(", false, false, 3, 1>")
         # the rows it may not pair
         for op, rows, cols, ex in (("layer_norm", 1001, lim // 2, wb),
                                    ("layer_norm", 1, lim, wb),

@@ -393,7 +393,8 @@ def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
 @pytest.mark.parametrize("op", FWD)
 def test_forward_paired_rows(op, dtype, rng, monkeypatch):
     """Clusters that cache two rows a pass (Plan.rows_per_pass; the planner's choice for 16-bit
-    layer norm with a weight or bias from PAIRED_MIN_COLS columns, forced here on a cluster of
+    layer norm with a weight or bias from PAIRED_MIN_COLS columns over at most
+    PAIRED_MAX_CLUSTER blocks, forced here on a cluster of
     twice the planned size, or of 16 blocks with twice the slice, for every dtype, both ops and
     every parameter switch). Rows 1, 3 and 9, so that a pass may lack its second row, on one
     cluster looping over the passes, on two, and on one cluster a pass; slices that end
