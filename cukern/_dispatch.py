@@ -561,11 +561,14 @@ def _plan_cluster(base: dict, no_warp: dict, cols: int, pack: int, smem_per_col:
     if paired:
         plan = _plan_cluster(base, no_warp, cols, pack, smem_per_col, device, occ, rows,
                              shared_only=True, rows_per_pass=2)
-        if plan is not None and plan.cluster <= PAIRED_MAX_CLUSTER:
+        if plan is not None:
             return plan
     info = OPS[base["op"]]
     fits = []
-    for size in CLUSTER_SIZES:
+    # two rows a pass only on the sizes it may take: no occupancy query (on a GPU, a kernel
+    # compiled) for a plan that would be discarded
+    sizes = [n for n in CLUSTER_SIZES if rows_per_pass == 1 or n <= PAIRED_MAX_CLUSTER]
+    for size in sizes:
         slice_packs = -(-(cols // pack) // size)
         smem = rows_per_pass * slice_packs * pack * smem_per_col + info.smem_align
         if smem <= max_dynamic_smem(device):
