@@ -395,30 +395,43 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
 // compiles their call operator as host code when many kernels share a program). `last`: the
 // block's (and cluster's) final call. operator(): a state over the block or the cluster;
 // block(): a state over the block; blocks(): merges the blocks' (block-uniform) states over the
-// cluster, where the block kernel has nothing to merge.
+// cluster, where the block kernel has nothing to merge. `meanwhile()` runs once in each call of
+// operator() and blocks(), in a cluster while its barrier is pending (merge_cluster). finish():
+// before the block exits, after the final call (a cluster's last wait, deferred past the
+// stores).
 struct BlockReduce {
   static constexpr bool kCluster = false;
   unsigned phase = 0;  // allreduce_block's buffer phase
-  template <typename S> __device__ __forceinline__ S operator()(const S& v, bool) {
+  template <typename S, typename F>
+  __device__ __forceinline__ S operator()(const S& v, bool, const F& meanwhile) {
+    meanwhile();
     return allreduce_block(v, phase);
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
     return allreduce_block(v, phase);
   }
-  template <typename S> __device__ __forceinline__ S blocks(const S& v, bool) { return v; }
+  template <typename S, typename F>
+  __device__ __forceinline__ S blocks(const S& v, bool, const F& meanwhile) {
+    meanwhile();
+    return v;
+  }
+  __device__ __forceinline__ void finish() {}
 };
 template <int CLUSTER> struct ClusterReduce {
   static constexpr bool kCluster = true;
   unsigned phase = 0, block_phase = 0;
-  template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
-    return allreduce_cluster<CLUSTER>(v, phase, last);
+  template <typename S, typename F>
+  __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
+    return allreduce_cluster<CLUSTER>(v, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
     return allreduce_block(v, block_phase);
   }
-  template <typename S> __device__ __forceinline__ S blocks(const S& v, bool last) {
-    return merge_cluster<CLUSTER>(v, phase++ & 1u, last);
+  template <typename S, typename F>
+  __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
+    return merge_cluster<CLUSTER>(v, phase++ & 1u, last, meanwhile);
   }
+  __device__ __forceinline__ void finish() { cluster_wait(); }
 };
 
 // The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of R rows at
@@ -495,10 +508,13 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     }
   };
   if (OVERLAP) fill();  // later rows arrive during the rows before them
-  // EARLY: a cluster's blocks, one row a pass, load their first V packs' gamma and beta before
-  // the all-reduces, which they then spend waiting at barriers; loaded after them, each pass
-  // began its stores with an L2 latency (see the session-14 notes in benchmarks/results). With
-  // two rows a pass that spilled registers (bfloat16) and did not help float16.
+  // EARLY: a cluster's blocks, one row a pass, load their first V packs' gamma and beta while
+  // the cluster barrier of the row's merge is pending (`early`, between its arrive and its
+  // wait), which they then spend waiting; loaded after it, each pass began its stores with an
+  // L2 latency (see the session-14 notes in benchmarks/results). Loaded before the block
+  // all-reduces (session 14), warp 0's release fence at the barrier waited for them (session
+  // 15: +0.8 to +1.3 points of copy, merge_cluster). With two rows a pass early loads spilled
+  // registers (bfloat16) and did not help float16.
   constexpr bool EARLY = !OVERLAP && Reduce::kCluster && R == 1;
   typedef typename St::template Params<PACK> Par;
   const int first = p0 + static_cast<int>(threadIdx.x);  // this thread's first pack
@@ -511,7 +527,9 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   for (;;) {
     Par par[V];
     if (!OVERLAP) fill();
-    if (EARLY) fetch_params(first, par);
+    auto early = [&]() {  // while the cluster barrier is pending
+      if (EARLY) fetch_params(first, par);
+    };
     const i64 next = row + step;
     const bool more = next < rows;  // uniform across the block (and the cluster)
     C m[R], rs[R];  // m: the mean of x - K
@@ -533,7 +551,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       Several<Welford<C>, R> w;
 #pragma unroll
       for (int r = 0; r < R; ++r) w.s[r] = Welford<C>{n, sb.v[r], q.v[r]};
-      w = reduce.blocks(w, !more);
+      w = reduce.blocks(w, !more, early);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         m[r] = w.s[r].mean;
@@ -543,7 +561,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       Sums<C, R> t;
 #pragma unroll
       for (int r = 0; r < R; ++r) t.v[r] = s[r];
-      t = reduce(t, !more);
+      t = reduce(t, !more, early);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         m[r] = C(0);
@@ -610,7 +628,10 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       }
       k[0] = k_next;
     }
-    if (!more) return;
+    if (!more) {
+      reduce.finish();  // after the stores: no block exits while a peer reads its state
+      return;
+    }
     row = next;
   }
 }
