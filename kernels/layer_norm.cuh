@@ -513,7 +513,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // wait), which they then spend waiting; loaded after it, each pass began its stores with an
   // L2 latency (see the session-14 notes in benchmarks/results). Loaded before the block
   // all-reduces (session 14), warp 0's release fence at the barrier waited for them (session
-  // 15: +0.8 to +1.3 points of copy, merge_cluster). With two rows a pass early loads spilled
+  // 15: +0.8 to +1.2 points of copy, merge_cluster). With two rows a pass early loads spilled
   // registers (bfloat16) and did not help float16.
   constexpr bool EARLY = !OVERLAP && Reduce::kCluster && R == 1;
   typedef typename St::template Params<PACK> Par;
