@@ -307,6 +307,14 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N> __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+// Asks L2 to fetch `bytes` (a multiple of 16) of global memory from `src` (16-byte aligned) in
+// the background: one instruction for a whole span, no registers, nothing to wait for (sm_90;
+// elsewhere a no-op).
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
 // The dynamic shared memory this launch was given.
 __device__ __forceinline__ unsigned dynamic_smem_bytes() {
   unsigned n;

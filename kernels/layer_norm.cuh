@@ -83,6 +83,12 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     }
     if (RESIDUAL) h.template store<N>(dst, row, col);
   }
+  // Prefetches `count` columns of a row from `col` into L2 (prefetch_l2: 16-byte aligned, a
+  // multiple of 16 bytes), of x and of the residual.
+  __device__ __forceinline__ void prefetch(i64 row, int col, int count) const {
+    prefetch_l2(x.ptr + x.at.offset(row, col), count * sizeof(T));
+    if (RESIDUAL) prefetch_l2(res.ptr + res.at.offset(row, col), count * sizeof(T));
+  }
   // The value load() returns for column 0 of a row, without writing h.
   __device__ __forceinline__ C first(i64 row) const {
     C v;
@@ -515,7 +521,25 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // all-reduces (session 14), warp 0's release fence at the barrier waited for them (session
   // 15: +0.8 to +1.2 points of copy, merge_cluster). With two rows a pass early loads spilled
   // registers (bfloat16) and did not help float16.
+  //
+  // Clusters that OVERLAP rows spend that wait two ways (session 16, residual layer norm, % of
+  // copy, 1-4 runs each on the H100): in float32 (EARLY_OVERLAP) they load the gamma and beta
+  // of the first U packs that the rows loop writes; 16-bit types, at 64 registers with them,
+  // measured 0.5-1 point slower and do not. And (PREFETCH) they ask L2 for the first quarter
+  // of their slice of the next row, x and the residual, which then streams in while the
+  // cluster merges instead of waiting for the rows loop. Float32 at 262144 columns (clusters
+  // of 8 blocks of 1024 threads, one to an SM): 87.2-88.3 -> 89.0-89.7 with the parameters,
+  // 91.3 with the prefetch, 93.2-93.4 with both; at 65536 and 131072 columns +0.3 to +0.9;
+  // 16-bit types and RMS norm within 0.7 either way. Prefetching 3/8 or 1/2 of the slice
+  // measured 2-5 points slower; a quarter prefetched at the top of the pass (before the block
+  // all-reduces) 1-3 points slower at 32768-131072 columns and for RMS norm; and by clusters
+  // that do not overlap rows (no residual: their next row's copies start after this row's
+  // stores), 3-6 points slower at 131072 (16-bit) and 262144 columns (float32, RMS norm).
   constexpr bool EARLY = !OVERLAP && Reduce::kCluster && R == 1;
+  constexpr bool EARLY_OVERLAP = OVERLAP && Reduce::kCluster && sizeof(T) == 4;
+  // (not float64: 8 more bytes of spills with the prefetch, and no measurement)
+  constexpr bool PREFETCH =
+      OVERLAP && Reduce::kCluster && sizeof(T) <= 4 && PACK * sizeof(T) == 16;
   typedef typename St::template Params<PACK> Par;
   const int first = p0 + static_cast<int>(threadIdx.x);  // this thread's first pack
   auto fetch_params = [&](int p, Par* par) {  // gamma and beta of V packs from pack p
@@ -524,14 +548,32 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       if (p + u * stride < p1) par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
     }
   };
+  // PREFETCH: the first quarter of this block's packs of row r, in spans of 4 KiB, one a
+  // thread from warp 1 on (warp 0 reads the peers' states once the barrier completes)
+  auto prefetch_quarter = [&](i64 r) {
+    constexpr int SPAN = 4096 / (PACK * static_cast<int>(sizeof(T)));  // packs a prefetch
+    const int packs = (p1 - p0) / 4;
+    for (int c = static_cast<int>(threadIdx.x) - 32; c >= 0 && c * SPAN < packs; c += stride) {
+      ld.prefetch(r, (p0 + c * SPAN) * PACK, min(SPAN, packs - c * SPAN) * PACK);
+    }
+  };
   for (;;) {
     Par par[V];
+    Par ahead[EARLY_OVERLAP ? U : 1];  // EARLY_OVERLAP: the first U packs' gamma and beta
     if (!OVERLAP) fill();
-    auto early = [&]() {  // while the cluster barrier is pending
-      if (EARLY) fetch_params(first, par);
-    };
     const i64 next = row + step;
     const bool more = next < rows;  // uniform across the block (and the cluster)
+    auto early = [&]() {  // while the cluster barrier is pending
+      if (EARLY) fetch_params(first, par);
+      if constexpr (EARLY_OVERLAP) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int q = first + u * stride;
+          if (q < p1) ahead[u] = st.template fetch<PACK>(q * PACK);
+        }
+      }
+      if (PREFETCH && more) prefetch_quarter(next);
+    };
     C m[R], rs[R];  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
       // the block's exact mean, then the squared deviations from it: two all-reduces; a
@@ -611,7 +653,8 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
         for (int u = 0; u < U; ++u) {
           const int q = p + u * stride;
           if (q >= p1) break;
-          write(0, q, st.template fetch<PACK>(q * PACK));  // the next row's loads are in flight
+          // the next row's loads are in flight
+          write(0, q, EARLY_OVERLAP && p == first ? ahead[u] : st.template fetch<PACK>(q * PACK));
         }
         if (more) {
 #pragma unroll
