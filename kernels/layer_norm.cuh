@@ -531,10 +531,10 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // of 8 blocks of 1024 threads, one to an SM): 87.2-88.3 -> 89.0-89.7 with the parameters,
   // 91.3 with the prefetch, 93.2-93.4 with both; at 65536 and 131072 columns +0.3 to +0.9;
   // 16-bit types and RMS norm within 0.7 either way. Prefetching 3/8 or 1/2 of the slice
-  // measured 2-5 points slower; a quarter prefetched at the top of the pass (before the block
-  // all-reduces) 1-3 points slower at 32768-131072 columns and for RMS norm; and by clusters
-  // that do not overlap rows (no residual: their next row's copies start after this row's
-  // stores), 3-6 points slower at 131072 (16-bit) and 262144 columns (float32, RMS norm).
+  // measured 1.5-5 points slower; a quarter prefetched at the top of the pass (before the
+  // block all-reduces) 0.7-2.8 points slower at 32768-131072 columns and for RMS norm; and by
+  // clusters that do not overlap rows (no residual: their next row's copies start after this
+  // row's stores), 2.8-5.5 points slower at 131072 (16-bit) and 262144 columns (float32).
   constexpr bool EARLY = !OVERLAP && Reduce::kCluster && R == 1;
   constexpr bool EARLY_OVERLAP = OVERLAP && Reduce::kCluster && sizeof(T) == 4;
   // (not float64: 8 more bytes of spills with the prefetch, and no measurement)
