@@ -542,9 +542,9 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       OVERLAP && Reduce::kCluster && sizeof(T) <= 4 && PACK * sizeof(T) == 16;
   typedef typename St::template Params<PACK> Par;
   const int first = p0 + static_cast<int>(threadIdx.x);  // this thread's first pack
-  auto fetch_params = [&](int p, Par* par) {  // gamma and beta of V packs from pack p
+  auto fetch_params = [&](int p, Par* par, int n) {  // gamma and beta of n packs from pack p
 #pragma unroll
-    for (int u = 0; u < V; ++u) {
+    for (int u = 0; u < n; ++u) {
       if (p + u * stride < p1) par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
     }
   };
@@ -564,14 +564,8 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     const i64 next = row + step;
     const bool more = next < rows;  // uniform across the block (and the cluster)
     auto early = [&]() {  // while the cluster barrier is pending
-      if (EARLY) fetch_params(first, par);
-      if constexpr (EARLY_OVERLAP) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int q = first + u * stride;
-          if (q < p1) ahead[u] = st.template fetch<PACK>(q * PACK);
-        }
-      }
+      if (EARLY) fetch_params(first, par, V);
+      if constexpr (EARLY_OVERLAP) fetch_params(first, ahead, U);
       if (PREFETCH && more) prefetch_quarter(next);
     };
     C m[R], rs[R];  // m: the mean of x - K
@@ -628,7 +622,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     if constexpr (!OVERLAP) {
       // gamma and beta of V packs in flight at once, then their stores (see AffineStore)
       for (int p = first; p < p1; p += V * stride) {
-        if (!EARLY || p != first) fetch_params(p, par);
+        if (!EARLY || p != first) fetch_params(p, par, V);
 #pragma unroll
         for (int u = 0; u < V; ++u) {
           if (p + u * stride >= p1) break;
