@@ -339,6 +339,42 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
             assert plan.overlap is want, plan
 
 
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
+@pytest.mark.parametrize("op", FWD)
+def test_residual_clusters_prefetch_rows_of_their_own_strides(op, dtype, rng):
+    """The planned clusters with a residual at 262144 columns (rows overlapped, 16-byte packs:
+    each block prefetches a quarter of its slice of the next row into L2 while the cluster
+    merges, norm_rows' PREFETCH; float32 also loads its first gamma and beta then) over more
+    rows than clusters, so that every cluster loops, on x and a residual that are views with
+    row strides of their own: y, the statistics and h against float64 NumPy."""
+    if not spec().has_clusters:
+        pytest.skip("needs thread-block clusters (sm_90)")
+    rows, cols = 47, 262144
+    layer = op == "layer_norm"
+    hx = make((rows, cols + 64), dtype, rng)
+    hr = make((rows, cols + 128), dtype, rng)
+    w = make(cols, dtype, rng, 1.0, 1.0)
+    b = make(cols, dtype, rng) if layer else None
+    xs, rs = hx[:, 8:8 + cols], hr[:, 16:16 + cols]
+    dx, dr = cp.asarray(hx)[:, 8:8 + cols], cp.asarray(hr)[:, 16:16 + cols]
+    poison(((rows, cols), ITEM[dtype]), ((rows, cols), ITEM[dtype]), ((rows,), 8), ((rows,), 8))
+    if layer:
+        ref = reference.layer_norm(xs, cols, w, b, 1e-5, residual=rs)
+        got = cukern.layer_norm(dx, cols, cp.asarray(w), cp.asarray(b), 1e-5, residual=dr)
+    else:
+        ref = reference.rms_norm(xs, cols, w, 1e-6, residual=rs)
+        got = cukern.rms_norm(dx, cols, cp.asarray(w), 1e-6, residual=dr)
+    plan = ln_mod.last_plan(op)
+    assert plan.variant is Variant.CLUSTER and plan.overlap, plan
+    assert plan.pack_size * ITEM[dtype] == 16, plan
+    assert rows > plan.grid // plan.cluster, plan  # every cluster takes two rows or more
+    assert rel_err(got[0], ref[0]) <= TOL[dtype]
+    assert rel_err(got[-2], ref[-2]) <= STAT_TOL[dtype]  # rstd
+    if layer:
+        assert rel_err(got[1], ref[1], scale=np.linalg.norm(1 / ref[2])) <= STAT_TOL[dtype]
+    np.testing.assert_array_equal(host(got[-1]), ref[-1])  # h = x + residual
+
+
 def _force_cluster_plans(monkeypatch, change):
     """Route the forward's plans through change(plan), each a cluster's (skips without
     clusters)."""
