@@ -8,32 +8,41 @@ with weight (and bias, for layer norm):
 * the residual-fused forward (``residual=``) against cukern's own add followed by the norm.
 
 Peers in the same run: PyTorch (eager; ``native_layer_norm_backward`` for the layer-norm
-backward, autograd for RMS) and JAX (jit). Bytes counted (DESIGN.md section 7): every byte the
-call must move. Forward: x read and y written, the per-row statistics written (float32 mean and
-rstd, rstd alone for RMS norm: 8 or 4 bytes a row, 6% of a float16 row of 32 columns), weight
-(and bias) read once; residual forward: x and residual read, y and h written, the same
+backward, autograd for RMS) and JAX (jit). Bytes counted: every byte the call must move.
+Forward: x read and y written, the per-row statistics written (float32 mean and rstd, rstd
+alone for RMS norm: 8 or 4 bytes a row, 6% of a float16 row of 32 columns), weight (and bias)
+read once; residual forward: x and residual read, y and h written, the same
 statistics and parameters; backward: x and dy read, dx written, the statistics and weight read,
 dweight (and dbias) written once. ``pct_copy`` is an op's bandwidth over a same-size device
 copy's (x read, one array written), measured in the same run; each peer is credited the same
 bytes (its time is what differs).
 
     python benchmarks/bench_layer_norm.py [--quick] [--out benchmarks/results] [--ops ...]
+    python benchmarks/bench_layer_norm.py --ways [--cols16 LIST] [--cols32 LIST] [--ops ...]
+    python benchmarks/bench_layer_norm.py --limits [--reps 40]
 
-Writes layer_norm_<device>.json and .png, prints a table and checks the issue's targets.
+Writes layer_norm_<gpu>.json and .png (``_results``: a run of some ops or dtypes keeps the
+file's others), appends a row per shape to history.csv, prints a table and checks the issue's
+targets. ``--ways`` times the backward's planned way beside every way forced (``_norm_ways``,
+norm_backward_ways_<gpu>.*); ``--limits`` the forward at 65536-262144 columns with and without
+its parameters and at whole waves (``_norm_limits``, norm_limits_<gpu>.*). What they found:
+docs/notes/layer-norm-forward.md and layer-norm-backward.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import re
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy and torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+import _norm_limits  # noqa: E402
+import _norm_ways  # noqa: E402
+import _results  # noqa: E402
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -247,9 +256,8 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
                 gbps = moved / ms / 1e6
                 results.append(dict(row, peer=label, ms=ms, gbps=gbps,
                                     pct_copy=100.0 * gbps / copy_gbps))
-                if label == "cukern":  # the plan it ran
-                    plan = ln.last_plan(op.replace("_residual", ""))
-                    results[-1]["variant"] = plan.variant.value if plan else ""
+                if label == "cukern":
+                    results[-1]["variant"] = _ran_variant(op)
             del sets, fns
             cp.get_default_memory_pool().free_all_blocks()
             try:
@@ -259,6 +267,13 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
             except ImportError:
                 pass
     return results
+
+
+def _ran_variant(op: str) -> str:
+    """The variant of the plan the latest call of ``op`` ran ('' if unknown): the one place
+    this file reaches into cukern.ops."""
+    plan = ln.last_plan(op.replace("_residual", ""))
+    return plan.variant.value if plan else ""
 
 
 def check_targets(results) -> list[str]:
@@ -322,14 +337,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=None,
+                    help=f"default: {','.join(OPS)}; with --ways: {','.join(_norm_ways.OPS)}")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timing repetitions (default 30, --quick 10, --limits 40)")
+    ap.add_argument("--tag", default="", help="file name tag (default: the GPU, e.g. h100)")
+    ap.add_argument("--ways", action="store_true",
+                    help="the backward's planned way beside every way it could run, forced")
+    ap.add_argument("--cols16", default=_norm_ways.COLS16, help="--ways: widths for float16")
+    ap.add_argument("--cols32", default=_norm_ways.COLS32,
+                    help="--ways: widths for float32 (empty: none)")
+    ap.add_argument("--limits", action="store_true",
+                    help="the forward at 65536-262144 columns: parameters' cost, whole waves")
     args = ap.parse_args()
+    if args.ways:
+        _norm_ways.run(args, moved_bytes)
+        return
+    if args.limits:
+        _norm_limits.run(args)
+        return
     spec = DeviceSpec.from_device()
-    tag = re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
-    ops = args.ops.split(",")
+    run = _results.Run(args.out, "layer_norm", spec.name, tag=args.tag, quick=args.quick)
+    ops = (args.ops or ",".join(OPS)).split(",")
     dtypes = args.dtypes.split(",")
-    reps = 10 if args.quick else 30
+    reps = args.reps or (10 if args.quick else 30)
     cols_list = _bench.default_cols(32, 262144)
     if args.quick:
         cols_list = cols_list[::3]
@@ -341,17 +373,17 @@ def main() -> None:
         results += sweep(op, dtypes, cols_list, reps)
         print(f"{op}: done", flush=True)
     overhead = host_overhead_us()
-    payload = dict(device=spec.name, cupy=cp.__version__, results=results,
-                   host_overhead_us=overhead)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"layer_norm_{tag}{'_quick' if args.quick else ''}")
-    with open(base + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
-    _bench.plot(results, base + ".png", title=f"cukern layer norm / RMS norm on {spec.name} "
-                "(rows = 2^27 / cols; % of a same-size device copy)")
+    payload = run.merge_previous(dict(cupy=cp.__version__, results=results,
+                                      host_overhead_us=overhead))
+    run.save(payload)
+    if not args.quick:
+        n = run.append(_results.peer_rows(results))
+        print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
+    _bench.plot(payload["results"], run.png_path, title=f"cukern layer norm / RMS norm on "
+                f"{spec.name} (rows = 2^27 / cols; % of a same-size device copy)")
     table(results)
     print("host overhead (us per call):", {k: round(v, 2) for k, v in overhead.items()})
-    misses = check_targets(results)
+    misses = check_targets(payload["results"])
     print(f"targets: {'all met' if not misses else f'{len(misses)} missed'}")
     for m in misses:
         print("  ", m)

@@ -8,13 +8,14 @@ sample of the result against a direct GPU call. A second, smaller run keeps both
 
     python benchmarks/cli_chunked.py [--gb 24] [--cols 4096] [--dtype float16] [--dir DIR]
 
-Writes benchmarks/results/cli_chunked_<device>.json and .md and prints the table.
+Writes benchmarks/results/cli_chunked_<gpu>.json, appends a row per run to history.csv (% of
+copy: of pinned PCIe copies both ways at once) and prints the table. What it measured:
+docs/notes/cli-streaming.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -27,7 +28,9 @@ import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _results  # noqa: E402
 import cupy as cp  # noqa: E402
 
 import cukern  # noqa: E402
@@ -142,6 +145,7 @@ def main() -> None:
     args = ap.parse_args()
 
     spec = DeviceSpec.from_device()
+    run = _results.Run(args.out, "cli_chunked", spec.name)
     free_gpu, total_gpu = cp.cuda.runtime.memGetInfo()
     folder = args.dir or tempfile.gettempdir()
     disk_free = shutil.disk_usage(folder).free
@@ -157,36 +161,44 @@ def main() -> None:
             shutil.disk_usage(shm).free > 2.2 * args.shm_gb * 1e9:
         runs.append(case("memory (/dev/shm)", shm, args.shm_gb, args.cols, args.dtype, pcie))
 
-    tag = re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
-    report = dict(device=spec.name, gpu_free_gb=free_gpu / 1e9, gpu_total_gb=total_gpu / 1e9,
+    report = dict(gpu_free_gb=free_gpu / 1e9, gpu_total_gb=total_gpu / 1e9,
                   disk_free_gb=disk_free / 1e9, pcie_gbps=pcie, runs=runs,
                   cupy=cp.__version__, cukern=cukern.__version__)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"cli_chunked_{tag}.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    run.save(report)
+    n = run.append(history_rows(report))
+    print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
+    print(table(spec.name, report))
+
+
+def history_rows(report: dict) -> list[dict]:
+    """One history.csv row per run: GB/s end to end, over PCIe copies both ways at once."""
+    both = report["pcie_gbps"]["both"]
+    return [dict(op="softmax", dtype=r["dtype"], rows=r["rows"], cols=r["cols"],
+                 pct_copy=r["pct_of_pcie_both"], gbps=r["run_gbps"], copy_gbps=both,
+                 cukern_ms=1000 * r["run_s"],
+                 note=f"cukern softmax on files in {r['label']}, {r['input_gb']:.1f} GB; "
+                      f"% of copy: of PCIe both ways; wall {r['wall_s']:.1f} s")
+            for r in report["runs"]]
+
+
+def table(device: str, report: dict) -> str:
+    pcie = report["pcie_gbps"]
     lines = [
-        f"# `cukern softmax` on files larger than one piece: {spec.name}",
-        "",
-        f"GPU memory free {free_gpu / 1e9:.1f} GB of {total_gpu / 1e9:.1f} GB. Pinned PCIe "
-        f"copies measured in the same run: host to device {pcie['h2d']:.1f} GB/s, device to "
-        f"host {pcie['d2h']:.1f} GB/s, both directions at once {pcie['both']:.1f} GB/s.",
-        "",
+        f"`cukern softmax` on files larger than one piece: {device}",
+        f"GPU memory free {report['gpu_free_gb']:.1f} GB of {report['gpu_total_gb']:.1f} GB. "
+        f"Pinned PCIe copies: host to device {pcie['h2d']:.1f} GB/s, device to host "
+        f"{pcie['d2h']:.1f} GB/s, both directions at once {pcie['both']:.1f} GB/s.",
         "GB/s = (input read + output written) / time from the first chunk to the output "
         "renamed into place (fsync included); wall = the whole process.",
         "",
-        "| files on | shape | dtype | input GB | run s | GB/s | % of PCIe both ways | wall s "
-        "| sample identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{'files on':18s} {'shape':>14s} {'dtype':8s} {'input GB':>8s} {'run s':>6s} "
+        f"{'GB/s':>6s} {'% PCIe':>6s} {'wall s':>6s} sample identical",
     ]
-    for r in runs:
-        lines.append(f"| {r['label']} | {r['rows']}x{r['cols']} | {r['dtype']} | "
-                     f"{r['input_gb']:.1f} | {r['run_s']:.1f} | {r['run_gbps']:.2f} | "
-                     f"{r['pct_of_pcie_both']:.0f}% | {r['wall_s']:.1f} | "
-                     f"{r['identical_sample']} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, f"cli_chunked_{tag}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    for r in report["runs"]:
+        lines.append(f"{r['label']:18s} {r['rows']:>8d}x{r['cols']:<5d} {r['dtype']:8s} "
+                     f"{r['input_gb']:8.1f} {r['run_s']:6.1f} {r['run_gbps']:6.2f} "
+                     f"{r['pct_of_pcie_both']:6.0f} {r['wall_s']:6.1f} {r['identical_sample']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

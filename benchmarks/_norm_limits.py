@@ -1,43 +1,32 @@
-"""Where forward layer norm loses time at 65536-262144 columns (issue 3's shortfall).
+"""``bench_layer_norm.py --limits``: where the forward norms lose time at 65536-262144 columns.
 
 Two measurements on the planned kernels, each beside a same-size device copy in the same run:
 
 * ``affine``: layer norm with no parameters, with weight, and with weight and bias, beside RMS
   norm with no weight and with weight, at rows = 2**27 / cols. Differences between them are the
   cost of each parameter array (read from L2 on every row) and of layer norm's second
-  statistic (an exact second pass over the cached row, a second all-reduce, and Chan's merge
-  across the cluster, against RMS norm's one sum);
+  statistic (a second pass over the cached row, a second all-reduce, and Chan's merge across
+  the cluster, against RMS norm's one sum);
 * ``waves``: layer norm with weight and bias at rows = 2**27 / cols and at the nearest whole
   numbers of waves of resident clusters (the driver's count for the planned kernel): whether
   the last, partial wave costs anything.
 
-Bytes credited: x read and y written only, so rows of one shape compare by kernel time alone
-(bench_layer_norm.py also credits the parameters and statistics: 0.4% more at 262144 columns).
+Bytes credited: x read and y written only, so the cases of one shape compare by kernel time
+alone (the sweep also credits the parameters and statistics: 0.4% more at 262144 columns).
 
-    python benchmarks/bench_norm_limits.py [--out benchmarks/results] [--reps 40]
-
-Writes norm_limits_<device>.json and .png and prints both tables.
+Writes norm_limits_<gpu>.json and .png, a history row per case, and prints both tables.
+Notes: docs/notes/layer-norm-forward.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import re
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import cukern  # noqa: E402
-from cukern import _bench  # noqa: E402
-from cukern._device import DeviceSpec  # noqa: E402
-from cukern.ops import _common  # noqa: E402
+import _results
+import numpy as np
 
 DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 COLS = (65536, 131072, 262144)
 # (label, op, weight, bias)
 AFFINE = (("layer", "layer_norm", False, False), ("layer+w", "layer_norm", True, False),
@@ -45,9 +34,28 @@ AFFINE = (("layer", "layer_norm", False, False), ("layer+w", "layer_norm", True,
           ("rms+w", "rms_norm", True, False))
 
 
+def _resident(dtype: str, rows: int, cols: int) -> tuple[int, int]:
+    """(rows a wave, cluster) of the planned layer norm with weight and bias: the driver's
+    count of resident clusters times the rows each takes a pass. The one place this file
+    reaches into the runner."""
+    import cukern
+    from cukern import runner
+
+    plan = cukern.explain("layer_norm", (rows, cols), dtype, weight=True, bias=True)
+    if plan.cluster <= 1:
+        return 0, 1
+    n = runner._max_active_clusters(runner.kernel(plan, 0), plan)
+    return (n or 0) * plan.rows_per_pass, plan.cluster
+
+
 def _time(label: str, op: str, dtype: str, rows: int, cols: int, weight: bool, bias: bool,
           reps: int) -> dict:
     """Median time of the planned kernel for one case, and a same-size copy's, in % of copy."""
+    import cupy as cp
+
+    import cukern
+    from cukern import _bench
+
     dt = np.dtype(_bench._np_dtype(dtype))
     n_sets = 2
     xs = [cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dt)
@@ -66,18 +74,9 @@ def _time(label: str, op: str, dtype: str, rows: int, cols: int, weight: bool, b
     copy = _bench.copy_ms(nbytes, reps)
     plan = cukern.explain(op, (rows, cols), dtype, weight=weight, bias=bias)
     return dict(case=label, op=op, dtype=dtype, rows=rows, cols=cols, weight=weight, bias=bias,
-                kernel=plan.name_expression(), grid=plan.grid, ms=ms, copy_ms=copy,
+                variant=plan.variant.value, cluster=plan.cluster,
+                rows_per_pass=plan.rows_per_pass, grid=plan.grid, ms=ms, copy_ms=copy,
                 pct_copy=100.0 * copy / ms)
-
-
-def _resident(dtype: str, rows: int, cols: int) -> tuple[int, int]:
-    """(rows a wave, cluster) of the planned layer norm with weight and bias: the driver's
-    count of resident clusters times the rows each takes a pass."""
-    plan = cukern.explain("layer_norm", (rows, cols), dtype, weight=True, bias=True)
-    if plan.cluster <= 1:
-        return 0, 1
-    n = _common._max_active_clusters(_common.kernel(plan, 0), plan)
-    return (n or 0) * plan.rows_per_pass, plan.cluster
 
 
 def _pct(aff: list[dict], dtype: str, cols: int, label: str) -> float:
@@ -87,12 +86,8 @@ def _pct(aff: list[dict], dtype: str, cols: int, label: str) -> float:
 
 
 def affine(reps: int) -> list[dict]:
-    out = []
-    for dtype in DTYPES:
-        for cols in COLS:
-            for label, op, weight, bias in AFFINE:
-                out.append(_time(label, op, dtype, 2**27 // cols, cols, weight, bias, reps))
-    return out
+    return [_time(label, op, dtype, 2**27 // cols, cols, weight, bias, reps)
+            for dtype in DTYPES for cols in COLS for label, op, weight, bias in AFFINE]
 
 
 def waves(reps: int) -> list[dict]:
@@ -111,7 +106,32 @@ def waves(reps: int) -> list[dict]:
     return out
 
 
-def _plot(aff: list[dict], wav: list[dict], path: str, device: str) -> None:
+def _variant(r: dict) -> str:
+    """A case's kernel variant (files that kept the kernel's name instead: from that)."""
+    if "variant" in r:
+        return r["variant"]
+    return "cluster" if "_cluster<" in r.get("kernel", "") else ""
+
+
+def history_rows(payload: dict) -> list[dict]:
+    """One history.csv row per case: x read and y written over the kernel's time."""
+    rows = []
+    for table in ("affine", "waves"):
+        for r in payload[table]:
+            item = ITEMSIZE[r["dtype"]]
+            copy_gbps = 2 * r["rows"] * r["cols"] * item / r["copy_ms"] / 1e6
+            note = f"{table} {r['case']}"
+            if table == "waves":
+                note += f", {r['waves']:.2f} waves of {r['rows_a_wave']} rows"
+            rows.append(dict(op=r["op"], dtype=r["dtype"], rows=r["rows"], cols=r["cols"],
+                             variant=_variant(r),
+                             pct_copy=r["pct_copy"], gbps=copy_gbps * r["pct_copy"] / 100,
+                             copy_gbps=copy_gbps, cukern_ms=r["ms"], copy_ms=r["copy_ms"],
+                             note=note))
+    return rows
+
+
+def plot(aff: list[dict], wav: list[dict], path: str, device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,23 +166,27 @@ def _plot(aff: list[dict], wav: list[dict], path: str, device: str) -> None:
     fig.suptitle(f"cukern forward norms on {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--reps", type=int, default=40)
-    args = ap.parse_args()
+def run(args) -> None:
+    """The ``--limits`` mode of bench_layer_norm.py (``args``: its parsed options)."""
+    import cupy as cp
+
+    from cukern import _bench
+    from cukern._device import DeviceSpec
+
     spec = DeviceSpec.from_device()
-    tag = re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
+    out = _results.Run(args.out, "norm_limits", spec.name, tag=args.tag)
+    reps = args.reps or 40
     _bench.warm_up()
-    aff = affine(args.reps)
-    wav = waves(args.reps)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"norm_limits_{tag}")
-    with open(base + ".json", "w") as f:
-        json.dump(dict(device=spec.name, cupy=cp.__version__, affine=aff, waves=wav), f, indent=1)
-    _plot(aff, wav, base + ".png", spec.name)
+    aff = affine(reps)
+    wav = waves(reps)
+    payload = dict(cupy=cp.__version__, affine=aff, waves=wav)
+    out.save(payload)
+    n = out.append(history_rows(payload))
+    print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
+    plot(aff, wav, out.png_path, spec.name)
     print("affine (% of copy):", " | ".join(label for label, *_ in AFFINE))
     for dtype in DTYPES:
         for cols in COLS:
@@ -172,7 +196,3 @@ def main() -> None:
     for r in wav:
         print(f"  {r['dtype']:9s} {r['cols']:7d} rows {r['rows']:5d} waves {r['waves']:6.2f} "
               f"{r['pct_copy']:6.1f}%")
-
-
-if __name__ == "__main__":
-    main()
