@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from ._device import DeviceSpec
-from ._dispatch import Plan, Variant
+from .plan import Plan, Switches, Variant
 from ._explain import explain
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DeviceSpec",
     "Plan",
+    "Switches",
     "Variant",
     "explain",
     "layer_norm",

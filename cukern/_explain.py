@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from . import _dispatch
+from . import plan as _plan
+from . import registry
 from ._device import DeviceSpec
 
 __all__ = ["explain", "dtype_name"]
@@ -25,14 +26,14 @@ def dtype_name(dtype) -> str:
         name = np.dtype(dtype).name
     except TypeError:
         raise TypeError(f"explain: dtype {dtype!r} is not a dtype") from None
-    if name not in _dispatch.ITEMSIZE:
+    if name not in _plan.ITEMSIZE:
         raise TypeError(f"explain: dtype {name} is not supported; expected float16, bfloat16, "
                         f"float32 or float64")
     return name
 
 
 def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool = False,
-            bias: bool = False, residual: bool = False) -> _dispatch.Plan:
+            bias: bool = False, residual: bool = False) -> _plan.Plan:
     """The plan ``op`` would run for a C-contiguous array of ``shape`` and ``dtype``.
 
     ``device``: a :class:`DeviceSpec` (plans from its occupancy model, no GPU needed), a CUDA
@@ -41,9 +42,9 @@ def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool 
     call passes them (the norms; ``rms_norm`` takes no bias, the backwards only a weight): they
     choose the kernel too. ``print(plan)`` shows it readably.
     """
-    if op not in _dispatch.OPS:
-        raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(_dispatch.OPS)}")
-    extra = _extra(op, {"weight": weight, "bias": bias, "residual": residual})
+    if op not in registry.OPS:
+        raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(registry.OPS)}")
+    switches = _switches(op, {"weight": weight, "bias": bias, "residual": residual})
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
         raise ValueError(f"explain: shape must be non-negative ints, got {shape}")
@@ -59,21 +60,21 @@ def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool 
         raise ValueError(f"explain: shape {shape} is empty; no kernel runs for it")
     strided = math.prod(full[axis + 1:]) > 1
     spec, occupancy = _resolve(device)
-    return _dispatch.plan_rowwise(op, rows, cols, name, spec, occupancy, strided=strided,
-                                  extra=extra)
+    return _plan.plan_rowwise(op, rows, cols, name, spec, occupancy, strided=strided,
+                              switches=switches)
 
 
-def _extra(op: str, flags: dict[str, bool]) -> tuple[str, ...]:
-    """The planner's ``extra`` switches for the arguments a call passes."""
-    info = _dispatch.OPS[op]
+def _switches(op: str, flags: dict[str, bool]) -> _plan.Switches:
+    """The planner's switches for the arguments a call passes."""
+    pol = registry.policy(op)
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"explain: {name} must be True or False, got {value!r}")
-    extra = tuple("true" if flags[name] else "false" for name in info.switches)
+    sw = _plan.Switches(**{name: bool(flags[name]) for name in pol.switches})
     for name, value in flags.items():
-        if value and (name not in info.switches or extra not in info.extras):
+        if value and (name not in pol.switches or sw not in pol.switch_sets):
             raise ValueError(f"explain: {op} takes no {name}")
-    return extra if info.switches else info.extras[0]
+    return sw
 
 
 def _resolve(device):
@@ -91,6 +92,6 @@ def _resolve(device):
     if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
         raise TypeError(f"explain: device must be a DeviceSpec, a device id or None, "
                         f"got {type(device).__name__}")
-    from .ops import _common
+    from . import runner
 
-    return _common.device_spec(int(device)), _common.driver_occupancy(int(device))
+    return runner.device_spec(int(device)), runner.driver_occupancy(int(device))

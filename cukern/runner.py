@@ -1,5 +1,11 @@
-"""What every op shares: accepting arrays, validating them, describing their memory layout as
-(rows, cols) views, planning once per layout, and launching on the array's device and stream."""
+"""The op runner: what every op shares on its way validate -> row view -> plan -> cached launch.
+
+- accepting arrays (CuPy, or any CUDA array with ``__dlpack__``) and checking them;
+- describing an array as a (rows, cols) view (:class:`RowView`);
+- planning with the driver's occupancy for the compiled candidate kernels;
+- :class:`Launch`: a planned, compiled kernel with its fixed arguments, what the ops cache per
+  layout, launched on the array's device and CuPy's current stream.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,10 @@ try:
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
 
-from .. import _compile, _device, _dispatch
+from typing import NamedTuple
+
+from . import _compile, _device
+from . import plan as _plan
 
 try:
     from ml_dtypes import bfloat16 as _bf16
@@ -139,13 +148,27 @@ def check_aliasing(fn: str, inputs, o) -> None:
                              f"separate array or the input itself")
 
 
-def layout(a, axis: int):
-    """Describe ``a`` reduced along ``axis`` as a (rows, cols) view.
+class RowView(NamedTuple):
+    """An array reduced along one axis, as (rows, cols): element (o, c, i) of its
+    (outer, cols, inner) shape is at ``o * s_outer + c * s_col + i * s_inner`` elements, and
+    rows = outer * inner. Contiguous rows have ``inner == 1`` and ``s_col == 1``; their row
+    stride is ``s_outer``."""
 
-    Returns (rows, cols, inner, s_outer, s_inner, s_col) in elements, where element
-    (o, c, i) is at o * s_outer + c * s_col + i * s_inner and rows = outer * inner, or None when
-    the dimensions before or after ``axis`` cannot be merged into one stride each.
-    """
+    rows: int
+    cols: int
+    inner: int
+    s_outer: int
+    s_inner: int
+    s_col: int
+
+    @property
+    def contiguous_rows(self) -> bool:
+        return self.inner == 1 and self.s_col == 1
+
+
+def layout(a, axis: int) -> RowView | None:
+    """``a`` reduced along ``axis`` as a :class:`RowView`, or None when the dimensions before
+    or after ``axis`` cannot be merged into one stride each."""
     shape = a.shape if a.ndim else (1,)
     item = a.itemsize
     strides = tuple(s // item for s in a.strides) if a.ndim else (1,)
@@ -156,16 +179,13 @@ def layout(a, axis: int):
     if before is None or after is None:
         return None
     (outer, s_outer), (inner, s_inner) = before, after
-    return outer * inner, cols, inner, s_outer, s_inner, s_col
+    return RowView(outer * inner, cols, inner, s_outer, s_inner, s_col)
 
 
-def trailing_layout(a, ndims: int):
-    """Describe ``a`` as (rows, cols) where cols is the product of its last ``ndims`` dimensions
-    (the row-wise view of a normalisation over trailing dimensions).
-
-    Returns (rows, cols, row_stride) in elements, or None when the trailing dimensions are not
-    one contiguous run or the leading dimensions cannot be walked with a single stride.
-    """
+def trailing_layout(a, ndims: int) -> RowView | None:
+    """``a`` as a :class:`RowView` whose cols are its last ``ndims`` dimensions (a
+    normalisation over trailing dimensions), or None when those are not one contiguous run or
+    the leading dimensions cannot be walked with a single stride."""
     lead = len(a.shape) - ndims
     item = a.itemsize
     strides = tuple(s // item for s in a.strides)
@@ -176,7 +196,7 @@ def trailing_layout(a, ndims: int):
     (rows, s_row), (cols, s_col) = before, after
     if cols > 1 and s_col != 1:
         return None
-    return rows, cols, s_row if rows > 1 else cols
+    return RowView(rows, cols, 1, s_row if rows > 1 else cols, 0, 1)
 
 
 def _merge(shape, strides):
@@ -214,7 +234,7 @@ def driver_occupancy(device_id: int):
     the GPCs' sizes can make fewer than SMs x blocks per SM / cluster size."""
     from cupy_backends.cuda.api import driver
 
-    def occ(plan: _dispatch.Plan) -> int:
+    def occ(plan: _plan.Plan) -> int:
         kern = kernel(plan, device_id)
         if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
             return 0
@@ -223,7 +243,7 @@ def driver_occupancy(device_id: int):
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kern.kernel.ptr, plan.threads, plan.smem_bytes)
 
-    def max_clusters(plan: _dispatch.Plan) -> int | None:
+    def max_clusters(plan: _plan.Plan) -> int | None:
         return _max_active_clusters(kernel(plan, device_id), plan)
 
     occ.max_clusters = max_clusters
@@ -251,7 +271,7 @@ def _cu_max_active_clusters():
     return fn
 
 
-def _max_active_clusters(kern, plan: _dispatch.Plan) -> int | None:
+def _max_active_clusters(kern, plan: _plan.Plan) -> int | None:
     """Clusters of ``plan`` (its cluster size compiled into the kernel) resident at once, or
     None when the driver cannot say."""
     fn = _cu_max_active_clusters()
@@ -271,7 +291,7 @@ _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
 _non_portable: set[int] = set()  # kernels (function handles) opted in
 
 
-def kernel(plan: _dispatch.Plan, device_id: int):
+def kernel(plan: _plan.Plan, device_id: int):
     """The compiled kernel of a plan, allowed all the dynamic shared memory the device has
     beside the kernel's static shared memory (set once; plans of different sizes share it),
     and clusters past the portable size where its plan has one."""
@@ -311,7 +331,7 @@ class Launch:
 
     __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "tail")
 
-    def __init__(self, plan: _dispatch.Plan, device_id: int, tail: tuple):
+    def __init__(self, plan: _plan.Plan, device_id: int, tail: tuple):
         self.plan = plan
         self.device_id = device_id
         self.kernel = kernel(plan, device_id)
@@ -322,3 +342,48 @@ class Launch:
 
     def __call__(self, *arrays) -> None:
         self.kernel(self.grid, self.block, arrays + self.tail, shared_mem=self.smem)
+
+
+class AuxLaunch:
+    """An auxiliary kernel of a plan (the backward's partial sums and their reduction), as the
+    planner shaped it (``cukern.plan.col_sums.AuxLaunch``), with its fixed arguments."""
+
+    __slots__ = ("kernel", "grid", "block", "tail")
+
+    def __init__(self, source: str, name: str, shape, device_id: int, tail: tuple):
+        self.kernel = _compile.get_kernel(source, name, device_id)
+        self.grid = shape.grid
+        self.block = shape.block
+        self.tail = _c_scalars(tail)
+
+    def __call__(self, *arrays) -> None:
+        self.kernel(self.grid, self.block, arrays + self.tail)
+
+
+def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers, row_strides,
+             *, strided: bool = False, switches: _plan.Switches | None = None) -> _plan.Plan:
+    """The plan of ``op`` for a (rows, cols) view on a live device: its arrays' pointers and
+    row strides (elements) set the vector width, and the driver answers occupancy."""
+    align = align_elems(_plan.ITEMSIZE[dtype], pointers, row_strides if rows > 1 else [])
+    return _plan.plan_rowwise(op, rows, cols, dtype, device_spec(device_id),
+                              driver_occupancy(device_id), align_elems=align, strided=strided,
+                              switches=switches)
+
+
+def on_device(device_id: int):
+    """A context that makes ``device_id`` current (a no-op when it already is)."""
+    import contextlib
+
+    if device_id == cp.cuda.runtime.getDevice():
+        return contextlib.nullcontext()
+    return cp.cuda.Device(device_id)
+
+
+def pointer_bits(arrays) -> int:
+    """The low four bits of every array's address OR-ed together: what alignment a cached
+    launch was planned for (part of its cache key)."""
+    bits = 0
+    for a in arrays:
+        if a is not None:
+            bits |= a.data.ptr
+    return bits & 15

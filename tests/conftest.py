@@ -48,20 +48,21 @@ _warmed: dict[str, list] = {}
 
 
 def warm_family(family: str) -> None:
-    """Compile every kernel instantiation of ``kernels/<family>.cuh`` the planner can reach on
-    this GPU, in parallel, into CuPy's on-disk cache (once per session), so GPU tests do not
-    wait on one compile after another. It doubles as the check that each of them compiles and
-    loads on the device."""
+    """Compile every kernel instantiation of a registry family's ops (``"softmax"``,
+    ``"norm"``) the planner can reach on this GPU, auxiliary kernels included, in parallel, into
+    CuPy's on-disk cache (once per session), so GPU tests do not wait on one compile after
+    another. It doubles as the check that each of them compiles and loads on the device."""
     if GPU_REASON is not None:
         pytest.skip(f"GPU test: {GPU_REASON}")
     if family not in _warmed:
-        from cukern import _compile, _dispatch
+        from cukern import _compile, registry
         from cukern._device import DeviceSpec
 
         spec = DeviceSpec.from_device()
-        names = sorted({(info.family, n) for op, info in _dispatch.OPS.items()
-                        if info.family == family for dt in DTYPES
-                        for n in _dispatch.reachable_plans(op, dt, spec)})
+        ops = [name for name, op in registry.OPS.items() if op.family == family]
+        assert ops, f"no ops in family {family!r}"
+        by_source = registry.kernel_names(ops, DTYPES, spec)
+        names = sorted((source, n) for source, kernels in by_source.items() for n in kernels)
         _warmed[family] = _compile.warm_cache(names, spec.device_id)
     errors = _warmed[family]
     assert not errors, f"{len(errors)} {family} kernels failed to compile: {errors[:3]}"
@@ -74,20 +75,20 @@ def warm_softmax():
 
 @pytest.fixture(scope="session")
 def warm_layer_norm():
-    warm_family("layer_norm")
+    warm_family("norm")
 
 
 @pytest.fixture(scope="session")
 def warm_kernels():
     """Every family (the CLI's selftest and precompile touch them all)."""
     warm_family("softmax")
-    warm_family("layer_norm")
+    warm_family("norm")
 
 
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     """(cluster size, threads, smem_bytes, sums_in_registers, gamma_in_smem) of a backward with
     column sums (dweight, dbias) over rows of ``cols`` (16-byte aligned), by the rules
-    documented in ``_dispatch._col_sums_ways``, or None where no way fits (the uncached
+    documented in ``cukern.plan.col_sums.ways``, or None where no way fits (the uncached
     kernel). ``occ(plan)``: resident blocks per SM (default: the device model's).
 
     First, layer norm over 16-bit rows of more than 2048 columns (devices with clusters): in
@@ -114,15 +115,16 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     import itertools
     import math
 
-    from cukern import _dispatch
+    from cukern import plan as planner
+    from cukern import registry
 
-    info = _dispatch.OPS[op]
-    item = _dispatch.ITEMSIZE[dtype]
-    pack = _dispatch.pack_size(dtype, cols, 16, False)
+    info = registry.policy(op)
+    item = planner.ITEMSIZE[dtype]
+    pack = planner.pack_size(dtype, cols, 16, False)
     packs = cols // pack
     apt = max(1, (8 if dtype == "float64" else 16) // pack)
     csize = 8 if dtype == "float64" else 4
-    limit = _dispatch.max_dynamic_smem(device)
+    limit = planner.max_dynamic_smem(device)
     align = info.smem_align
     sums_per_value = info.col_sums * csize
 
@@ -131,14 +133,15 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
             return 0
         if occ is None:
             return device.model_occupancy(threads, smem)
-        variant = _dispatch.Variant.BLOCK_SMEM if size == 1 else _dispatch.Variant.CLUSTER
-        return occ(_dispatch.Plan(
+        variant = planner.Variant.BLOCK_SMEM if size == 1 else planner.Variant.CLUSTER
+        return occ(planner.Plan(
             op=op, dtype=dtype, rows=1, cols=cols, pack_size=pack, strided=False,
-            device=device.name, extra=("true",), variant=variant, block=(threads, 1), grid=size,
+            device=device.name, switches=planner.Switches(weight=True), policy=info,
+            variant=variant, block=(threads, 1), grid=size,
             smem_bytes=smem, cluster=size, sums_in_registers=in_regs, gamma_in_smem=gamma,
             cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
 
-    sizes = [1] + (list(_dispatch.CLUSTER_SIZES) if device.has_clusters else [])
+    sizes = [1] + (list(planner.CLUSTER_SIZES) if device.has_clusters else [])
     if op == "layer_norm_backward" and item == 2 and cols > 2048 and pack * item == 8 and \
             device.has_clusters:  # clusters with sums in registers, two buffers and gamma
         for size in sizes[1:]:
@@ -217,7 +220,7 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
         for in_regs, two in itertools.product((False, True), (True, False)):
             if (two and pack * item < 4) or (in_regs and sp > apt * 1024):
                 continue
-            threads = min(512, _dispatch.block_threads_for(sp))
+            threads = min(512, planner.block_threads_for(sp))
             while in_regs and threads < min(1024, -(-sp // apt)):
                 threads *= 2
             sums = 0 if in_regs else sums_per_value * sp * pack

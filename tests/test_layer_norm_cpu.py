@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern import _compile, _dispatch, reference
+from cukern import _compile, reference, registry, runner
+from cukern import plan as planner
 from cukern._device import DeviceSpec
-from cukern._dispatch import OPS, Variant, plan_rowwise
-from cukern.ops import _common
+from cukern.families import norm
 from cukern.ops import layer_norm as ln
+from cukern.plan import HOPPER, Switches, Variant, plan_rowwise, replace
+from cukern.registry import policy
 
 from .conftest import col_sums_expected
 
@@ -25,13 +27,25 @@ A100 = DeviceSpec.a100()
 FWD = ("layer_norm", "rms_norm")
 BWD = ("layer_norm_backward", "rms_norm_backward")
 NORM_OPS = FWD + BWD
+WEIGHT = Switches(weight=True)  # a backward's switches with a weight
 ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 CPP = {"float16": "cukern::f16", "bfloat16": "cukern::bf16", "float32": "float",
        "float64": "double"}
 
 
-def default_extra(op):
-    return OPS[op].extras[0]
+def default_switches(op):
+    return policy(op).switch_sets[0]
+
+
+def switch_flags(op, sw):
+    """``sw`` as the op's switch flags in its kernels' template order, "true"/"false"."""
+    return tuple("true" if getattr(sw, f) else "false" for f in policy(op).switches)
+
+
+def trailing(a, ndims):
+    """runner.trailing_layout as (rows, cols, row stride), or None."""
+    v = runner.trailing_layout(a, ndims)
+    return None if v is None else (v.rows, v.cols, v.s_outer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +88,7 @@ TWO_PACKS = {(32, "float16"): (2, 16, 1, False), (32, "float32"): (4, 8, 1, Fals
 @pytest.mark.parametrize("op", NORM_OPS)
 @pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
 def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
-    if OPS[op].two_packs_a_lane and (cols, dtype) in TWO_PACKS:
+    if policy(op).two_packs_a_lane and (cols, dtype) in TWO_PACKS:
         width, cpt, rpa, padding = TWO_PACKS[(cols, dtype)]
     # rows + LONG: the same parity on a grid long enough for OneFlow's rows_per_access rule
     p = plan_rowwise(op, rows + LONG, cols, dtype, H100)
@@ -86,23 +100,24 @@ def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
     assert npacks & (npacks - 1) == 0  # a power of two
     assert cpt * width >= cols  # every column has a slot
     assert cols <= pack * width or cpt // 2 * width < cols  # and not twice as many as needed
-    if OPS[op].two_packs_a_lane:  # not with a residual: OneFlow's shape
-        extra = ("false",) * (len(OPS[op].extras[0]) - 1) + ("true",)
-        p = plan_rowwise(op, rows + LONG, cols, dtype, H100, extra=extra)
+    if policy(op).two_packs_a_lane:  # not with a residual: OneFlow's shape
+        p = plan_rowwise(op, rows + LONG, cols, dtype, H100, switches=Switches(residual=True))
         assert (p.thread_group_width, p.cols_per_thread, p.rows_per_access, p.padding) == \
             next(row[4:] for row in WARP_TABLE if row[:3] == (cols, rows, dtype))
     assert p.smem_bytes == 0
 
 
 def test_name_expressions():
-    p = plan_rowwise("layer_norm", 4096, 768, "float16", H100, extra=("true", "true", "false"))
+    p = plan_rowwise("layer_norm", 4096, 768, "float16", H100,
+                     switches=Switches(weight=True, bias=True))
     assert p.name_expression() == \
         "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, true, true, false>"
-    p = plan_rowwise("rms_norm", 4096, 4096, "bfloat16", H100, extra=("true", "false", "true"))
+    p = plan_rowwise("rms_norm", 4096, 4096, "bfloat16", H100,
+                     switches=Switches(weight=True, residual=True))
     assert not p.overlap  # the last argument: whether blocks overlap their rows
     assert p.name_expression() == \
         "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true, false>"
-    p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, extra=("true",))
+    p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, switches=WEIGHT)
     assert p.variant is Variant.CLUSTER
     regs = "true" if p.sums_in_registers else "false"
     gamma = "true" if p.gamma_in_smem else "false"
@@ -116,29 +131,33 @@ def test_name_expressions():
     # a forward cluster's last two arguments: MIN_BLOCKS of its __launch_bounds__, 3 for
     # blocks of at most 512 threads that do not overlap rows (at most 40 registers), else 1;
     # and ROWS, the rows it caches a pass (Plan.rows_per_pass)
-    p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100, extra=("true", "true", "false"))
+    p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100,
+                     switches=Switches(weight=True, bias=True))
     assert (p.variant, p.threads, p.overlap, p.rows_per_pass) == (Variant.CLUSTER, 512, False, 2)
     assert p.name_expression() == \
         "cukern::layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3, 2>"
-    assert _dispatch._replace(p, block=(256, 1)).name_expression().endswith(", false, 3, 2>")
-    assert _dispatch._replace(p, block=(1024, 1)).name_expression().endswith(", false, 1, 2>")
-    assert _dispatch._replace(p, rows_per_pass=1).name_expression().endswith(", false, 3, 1>")
-    p = plan_rowwise("rms_norm", 512, 262144, "float32", H100, extra=("true", "false", "true"))
+    assert replace(p, block=(256, 1)).name_expression().endswith(", false, 3, 2>")
+    assert replace(p, block=(1024, 1)).name_expression().endswith(", false, 1, 2>")
+    assert replace(p, rows_per_pass=1).name_expression().endswith(", false, 3, 1>")
+    p = plan_rowwise("rms_norm", 512, 262144, "float32", H100,
+                     switches=Switches(weight=True, residual=True))
     assert p.variant is Variant.CLUSTER and p.overlap
     assert p.name_expression() == \
         f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1, 1>"
-    # the default extra is the first listed: no weight, no bias, no residual
-    assert plan_rowwise("layer_norm", 4, 64, "float32", H100).extra == ("false",) * 3
-    assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).extra == ("false",)
+    # the default switches are the first listed: no weight, no bias, no residual
+    assert plan_rowwise("layer_norm", 4, 64, "float32", H100).switches == Switches()
+    assert policy("layer_norm").switch_sets[0] == Switches()
+    assert plan_rowwise("rms_norm_backward", 4, 64, "float32", H100).switches == Switches()
+    assert policy("rms_norm_backward").switch_sets[0] == Switches()
 
 
 def test_plan_rejects_what_the_kernels_lack():
     with pytest.raises(ValueError, match="strided"):
         plan_rowwise("layer_norm", 4, 64, "float32", H100, strided=True)
-    with pytest.raises(ValueError, match="extra"):
-        plan_rowwise("rms_norm", 4, 64, "float32", H100, extra=("true", "true", "false"))
-    with pytest.raises(ValueError, match="extra"):
-        plan_rowwise("layer_norm", 4, 64, "float32", H100, extra=("true",))
+    with pytest.raises(ValueError, match="switches"):
+        plan_rowwise("rms_norm", 4, 64, "float32", H100, switches=Switches(weight=True, bias=True))
+    with pytest.raises(ValueError, match="switches"):
+        plan_rowwise("layer_norm", 4, 64, "float32", H100, switches=("true",))  # the old form
 
 
 def test_pack_respects_alignment():
@@ -152,15 +171,15 @@ def test_pack_respects_alignment():
 def smem_per_col(op, dtype, weight):
     """Shared memory per column of a cached row: the row(s) in their storage type, plus the
     backward's per-column sums (compute type) when there is a weight."""
-    sums = OPS[op].col_sums if weight else 0
-    return ITEM[dtype] * OPS[op].inputs + sums * (8 if dtype == "float64" else 4)
+    sums = policy(op).col_sums if weight else 0
+    return ITEM[dtype] * policy(op).inputs + sums * (8 if dtype == "float64" else 4)
 
 
 def smem_edge(op, dtype, weight, device):
     """Largest cols (a multiple of the widest pack) that one block's shared memory holds,
-    beside the bytes that align the row (OpInfo.smem_align)."""
+    beside the bytes that align the row (OpPolicy.smem_align)."""
     pack = 16 // ITEM[dtype]
-    room = _dispatch.max_dynamic_smem(device) - OPS[op].smem_align
+    room = planner.max_dynamic_smem(device) - policy(op).smem_align
     return room // smem_per_col(op, dtype, weight) // pack * pack
 
 
@@ -169,28 +188,28 @@ def smem_edge(op, dtype, weight, device):
                                        if not (w and op in BWD)])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_block_smem_boundary(op, dtype, weight):
-    extra = ("true",) + OPS[op].extras[-1][1:] if weight else default_extra(op)
-    if OPS[op].split_lone_blocks:
+    sw = replace(policy(op).switch_sets[-1], weight=True) if weight else default_switches(op)
+    if policy(op).split_lone_blocks:
         # with a residual: a lone block at the edge would go to a cluster without one
         # (test_lone_blocks_go_to_clusters)
-        extra = extra[:-1] + ("true",)
-    assert extra in OPS[op].extras
+        sw = replace(sw, residual=True)
+    assert sw in policy(op).switch_sets
     edge = smem_edge(op, dtype, weight, H100)
     wide = 16 // ITEM[dtype]
-    inside = plan_rowwise(op, 1000, edge, dtype, H100, extra=extra)
+    inside = plan_rowwise(op, 1000, edge, dtype, H100, switches=sw)
     assert inside.variant is Variant.BLOCK_SMEM
-    align = OPS[op].smem_align
+    align = policy(op).smem_align
     assert align == 128  # the norms' kernels start their cached rows on 128-byte boundaries
     assert inside.smem_bytes == edge * smem_per_col(op, dtype, weight and op in BWD) + align
-    above = plan_rowwise(op, 1000, edge + wide, dtype, H100, extra=extra)
+    above = plan_rowwise(op, 1000, edge + wide, dtype, H100, switches=sw)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
     assert above.smem_bytes == -(-(edge + wide) // wide // above.cluster) * wide * \
         smem_per_col(op, dtype, weight and op in BWD) + align
-    assert above.smem_bytes <= _dispatch.max_dynamic_smem(H100)
+    assert above.smem_bytes <= planner.max_dynamic_smem(H100)
     a_edge = smem_edge(op, dtype, weight, A100)
-    assert plan_rowwise(op, 1000, a_edge, dtype, A100, extra=extra).variant is Variant.BLOCK_SMEM
+    assert plan_rowwise(op, 1000, a_edge, dtype, A100, switches=sw).variant is Variant.BLOCK_SMEM
     assert plan_rowwise(op, 1000, a_edge + wide, dtype, A100,
-                        extra=extra).variant is Variant.BLOCK_UNCACHED
+                        switches=sw).variant is Variant.BLOCK_UNCACHED
 
 
 @pytest.mark.parametrize("op", FWD)
@@ -200,16 +219,16 @@ def test_lone_blocks_go_to_clusters(op):
     p = plan_rowwise(op, 2048, 65536, "float16", H100)
     assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
         (Variant.CLUSTER, 2, (512, 1), 32768 * 2 + 128), p
-    assert p.grid == min(2048, 132 * 3 // 2 * _dispatch.WAVES) * 2
+    assert p.grid == min(2048, 132 * 3 // 2 * HOPPER.waves) * 2
     assert "alone on its SM" in p.notes[-1]
     assert plan_rowwise(op, 2048, 32768, "float32", H100).variant is Variant.CLUSTER
     # blocks that share an SM stay: float16 rows of 32768 (3 blocks of 512 threads per SM)
     p = plan_rowwise(op, 4096, 32768, "float16", H100)
     assert p.variant is Variant.BLOCK_SMEM and p.threads * H100.model_occupancy(
-        p.threads, p.smem_bytes) > _dispatch.LONE_BLOCK_RESIDENT
+        p.threads, p.smem_bytes) > HOPPER.lone_block_resident
     # a residual keeps the lone block, which loads its next row while it writes this one
-    extra = OPS[op].extras[-1][:-1] + ("true",)
-    p = plan_rowwise(op, 2048, 65536, "float16", H100, extra=extra)
+    sw = replace(policy(op).switch_sets[-1], residual=True)
+    p = plan_rowwise(op, 2048, 65536, "float16", H100, switches=sw)
     assert p.variant is Variant.BLOCK_SMEM and p.overlap
     # no cluster whose blocks share an SM: the lone block stays; no clusters at all (A100) too
     p = plan_rowwise(op, 2048, 65536, "float16", H100, lambda plan: 1)
@@ -217,7 +236,7 @@ def test_lone_blocks_go_to_clusters(op):
     assert plan_rowwise(op, 2048, 65536, "float16", A100).variant is Variant.BLOCK_SMEM
     # other ops keep their lone blocks (measured only for the forward norms)
     for other, cols in (("softmax", 65536), ("layer_norm_backward", 32768)):  # 128 KiB
-        assert not OPS[other].split_lone_blocks
+        assert not policy(other).split_lone_blocks
         p = plan_rowwise(other, 2048, cols, "float16", H100)
         assert p.variant is Variant.BLOCK_SMEM and p.threads == 1024, p
 
@@ -230,7 +249,7 @@ def test_col_sums_shared_memory(op, dtype):
                  65536, 131072, 262144):
         cols = cols // pack * pack
         for occ in (None, lambda plan: 1, lambda plan: 2):
-            p = plan_rowwise(op, 1000, cols, dtype, H100, occ, extra=("true",))
+            p = plan_rowwise(op, 1000, cols, dtype, H100, occ, switches=WEIGHT)
             expected = col_sums_expected(op, dtype, cols, H100, occ)
             if expected is None:
                 assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
@@ -244,7 +263,7 @@ def test_col_sums_shared_memory(op, dtype):
             per_sm = occ(p) if occ else H100.model_occupancy(threads, smem)
             assert p.grid == min(1000 * size, 132 * per_sm // size * size)
     rms = op == "rms_norm_backward"
-    sums = OPS[op].col_sums * 4  # bytes per column
+    sums = policy(op).col_sums * 4  # bytes per column
 
     def way(p):
         return p.variant, p.threads, p.smem_bytes, p.sums_in_registers, p.gamma_in_smem
@@ -253,13 +272,13 @@ def test_col_sums_shared_memory(op, dtype):
     # columns, two 512-thread blocks per SM without it (98432 bytes each), one of 1024 threads
     # with it (resident threads 1024 either way)
     if rms:
-        p = plan_rowwise(op, 1000, 8192, "float16", H100, extra=("true",))
+        p = plan_rowwise(op, 1000, 8192, "float16", H100, switches=WEIGHT)
         assert way(p) == (Variant.BLOCK_SMEM, 1024, 2 * 2 * 2 * 8192 + sums * 8192 + 4 * 8192 +
                           128, False, True)
     # then resident threads nearest 1024: rows of 2048 halves (256 packs), 9 blocks of 128
     # threads (1152 threads) before 8 of 256 (2048); layer norm's sums in registers, two
     # buffers, RMS norm's in shared memory, one buffer (24704 bytes either way)
-    p = plan_rowwise(op, 1000, 2048, "float16", H100, extra=("true",))
+    p = plan_rowwise(op, 1000, 2048, "float16", H100, switches=WEIGHT)
     expected = (2 * 2 * 2048 + sums * 2048, False) if rms else (2 * 2 * 2 * 2048, True)
     assert way(p) == (Variant.BLOCK_SMEM, 128, expected[0] + 4 * 2048 + 128, expected[1], True)
     assert H100.model_occupancy(128, p.smem_bytes) == 9
@@ -272,7 +291,7 @@ def test_col_sums_shared_memory(op, dtype):
     # threads nearest 512 among those with two)
     occ2 = None if rms else (lambda plan: min(2, H100.model_occupancy(plan.threads,
                                                                       plan.smem_bytes)))
-    p = plan_rowwise(op, 1000, 16384, "float16", H100, occ2, extra=("true",))
+    p = plan_rowwise(op, 1000, 16384, "float16", H100, occ2, switches=WEIGHT)
     size = 2 if rms else 4
     values = 16384 // size
     assert (way(p), p.cluster) == ((Variant.CLUSTER, 512 if rms else 256,
@@ -281,23 +300,23 @@ def test_col_sums_shared_memory(op, dtype):
     assert H100.model_occupancy(p.threads, p.smem_bytes) == (1 if rms else 2)
     # with one block per SM everywhere (a live device counting registers), layer norm's
     # clusters of 2 blocks of 512 threads too (resident nearest 512, the smaller cluster)
-    p = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1, extra=("true",))
+    p = plan_rowwise(op, 1000, 16384, "float16", H100, lambda plan: 1, switches=WEIGHT)
     assert (p.variant, p.cluster, p.threads) == (Variant.CLUSTER, 2, 512)
     # float32 rows: a lone block stays beside one buffer, gamma and shared sums (10000 columns)
-    p = plan_rowwise(op, 1000, 10000, "float32", H100, lambda plan: 1, extra=("true",))
+    p = plan_rowwise(op, 1000, 10000, "float32", H100, lambda plan: 1, switches=WEIGHT)
     assert p.variant is Variant.BLOCK_SMEM and p.gamma_in_smem and not p.sums_in_registers
     assert p.smem_bytes == 2 * 4 * 10000 + sums * 10000 + 4 * 10000 + 128
     # and float16 rows the same size in bytes do not (20000 columns: no block fits beside
     # gamma; clusters with two buffers)
-    p = plan_rowwise(op, 1000, 20000, "float16", H100, lambda plan: 1, extra=("true",))
+    p = plan_rowwise(op, 1000, 20000, "float16", H100, lambda plan: 1, switches=WEIGHT)
     assert p.variant is Variant.CLUSTER and p.gamma_in_smem and not p.sums_in_registers
     # rows of at most 128 packs (one a thread of 128 threads): sums in registers where the
     # resident threads tie
-    p = plan_rowwise(op, 1000, 1024, "float16", H100, lambda plan: 8, extra=("true",))
+    p = plan_rowwise(op, 1000, 1024, "float16", H100, lambda plan: 8, switches=WEIGHT)
     assert way(p) == (Variant.BLOCK_SMEM, 128, 2 * 2 * 2 * 1024 + 4 * 1024 + 128, True, True)
     # no gamma in shared memory for float64 (its compute type)
     for cols in (1024, 4096):
-        p = plan_rowwise(op, 1000, cols, "float64", H100, extra=("true",))
+        p = plan_rowwise(op, 1000, cols, "float64", H100, switches=WEIGHT)
         assert p.variant is Variant.BLOCK_SMEM and not p.gamma_in_smem
 
 
@@ -306,7 +325,7 @@ def test_param_reduce_shape():
     divide into them and the grid keeps a block for every other SM, else of one column; row
     lanes the power of two (up to 32) nearest a quarter of the partial rows (an eighth with
     single columns); the grid covers every column."""
-    from cukern._dispatch import param_reduce_shape
+    from cukern.plan import param_reduce_shape
 
     assert param_reduce_shape(32768, 35, 2, "float16", H100) == (True, (32, 8), (256, 2))
     assert param_reduce_shape(16384, 77, 2, "float16", H100) == (True, (32, 16), (128, 2))
@@ -338,7 +357,7 @@ def test_layer_norm_narrow_way(dtype):
     op = "layer_norm_backward"
     for cols, size, per_sm in ((3000, 1, 3), (4096, 2, 5), (8192, 4, 5), (12288, 4, 3),
                                (16384, 8, 5), (20000, 8, 4), (32768, 16, 5)):
-        p = plan_rowwise(op, 10**4, cols, dtype, H100, extra=("true",))
+        p = plan_rowwise(op, 10**4, cols, dtype, H100, switches=WEIGHT)
         values = -(-(cols // p.pack_size) // size) * p.pack_size
         assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
             Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER, size, 128, False, True), (
@@ -350,7 +369,7 @@ def test_layer_norm_narrow_way(dtype):
     # holds with the sums in registers (4 packs a thread), two buffers and gamma
     for cols, size, threads in ((2052, 2, 128), (4100, 2, 256), (10500, 2, 512),
                                 (14500, 2, 512), (20004, 2, 1024), (40004, 4, 1024)):
-        p = plan_rowwise(op, 10**4, cols, dtype, H100, extra=("true",))
+        p = plan_rowwise(op, 10**4, cols, dtype, H100, switches=WEIGHT)
         values = -(-(cols // 4) // size) * 4
         assert p.pack_size == 4
         assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
@@ -369,10 +388,10 @@ def test_layer_norm_narrow_way(dtype):
                                          (8196, dtype, None, H100, "rms_norm_backward"),
                                          (8192, "float32", None, H100, op),
                                          (3000, dtype, None, A100, op)):
-        p = plan_rowwise(other, 10**4, cols, dt, device, occ, extra=("true",))
+        p = plan_rowwise(other, 10**4, cols, dt, device, occ, switches=WEIGHT)
         assert not (p.threads == 128 and (p.cluster > 1 or cols == 3000)), (cols, other, p)
         assert not (p.cluster > 1 and p.sums_in_registers and p.gamma_in_smem), (cols, p)
-        assert p == _dispatch.col_sums_ways(p, device, occ)[0]
+        assert p == planner.col_sums_ways(p, device, occ)[0]
 
 
 @pytest.mark.parametrize("op", BWD)
@@ -381,10 +400,10 @@ def test_col_sums_ways(op, dtype):
     """col_sums_ways lists every way of the cached backward, one block a row or a cluster,
     best first: the planner takes the first; each fits, is distinct, has the grid of one wave
     (of blocks or of clusters) and a note; empty without a weight."""
-    limit = _dispatch.max_dynamic_smem(H100)
+    limit = planner.max_dynamic_smem(H100)
     for cols in (1024, 3000, 4096, 8192, 13000, 16384, 32768, 65536):
-        p = plan_rowwise(op, 1000, cols, dtype, H100, extra=("true",))
-        ways = _dispatch.col_sums_ways(p, H100)
+        p = plan_rowwise(op, 1000, cols, dtype, H100, switches=WEIGHT)
+        ways = planner.col_sums_ways(p, H100)
         assert ways[0] == p, (cols, p, ways[:1])
         keys = {(w.cluster, w.threads, w.smem_bytes, w.sums_in_registers, w.gamma_in_smem)
                 for w in ways}
@@ -411,16 +430,16 @@ def test_col_sums_ways(op, dtype):
             assert w.cluster == 1 or slice_packs >= 128
         if cols <= 4096:
             assert 1 in sizes
-    unweighted = plan_rowwise(op, 1000, 4096, dtype, H100, extra=("false",))
-    assert _dispatch.col_sums_ways(unweighted, H100) == []
+    unweighted = plan_rowwise(op, 1000, 4096, dtype, H100, switches=Switches())
+    assert planner.col_sums_ways(unweighted, H100) == []
 
 
 @pytest.mark.parametrize("op", BWD)
 def test_col_sums_leave_the_warp_kernel_past_512(op):
     # the warp kernel would hold the column sums in registers too: blocks from 513 columns
-    assert plan_rowwise(op, 10**5, 512, "float16", H100, extra=("true",)).variant is Variant.WARP
+    assert plan_rowwise(op, 10**5, 512, "float16", H100, switches=WEIGHT).variant is Variant.WARP
     for cols in (513, 1024):
-        p = plan_rowwise(op, 10**5, cols, "float16", H100, extra=("true",))
+        p = plan_rowwise(op, 10**5, cols, "float16", H100, switches=WEIGHT)
         assert p.variant is Variant.BLOCK_SMEM, p
     assert plan_rowwise(op, 10**5, 1024, "float16", H100).variant is Variant.WARP
 
@@ -432,16 +451,17 @@ def test_col_sums_clusters_fit_the_gpu():
         return H100.model_occupancy(plan.threads, plan.smem_bytes)
 
     occ.max_clusters = lambda plan: 7
-    p = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", H100, occ, extra=("true",))
+    p = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", H100, occ, switches=WEIGHT)
     assert p.variant is Variant.CLUSTER and p.grid == 7 * p.cluster
     occ.max_clusters = lambda plan: None  # the driver cannot say: SMs x blocks per SM / size
-    q = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", H100, occ, extra=("true",))
+    q = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", H100, occ, switches=WEIGHT)
     assert q.grid == 132 * occ(q) // q.cluster * q.cluster
 
 
 def test_forward_smem_ignores_weight():
     # the forward reads gamma/beta from global memory: only x (or x + residual) is cached
-    a = plan_rowwise("layer_norm", 8, 5000, "float16", H100, extra=("true", "true", "true"))
+    a = plan_rowwise("layer_norm", 8, 5000, "float16", H100,
+                     switches=Switches(weight=True, bias=True, residual=True))
     assert a.smem_bytes == 5000 * 2 + 128  # and the bytes that align it
 
 
@@ -451,31 +471,31 @@ def test_residual_blocks_overlap_their_rows(op):
     it does where OneFlow's blocks would leave at most OVERLAP_RESIDENT threads on an SM, with
     the widest block its row allows, and in one wave where that block is alone on its SM.
     Clusters with a residual always do, in one wave. Without a residual: OneFlow's rules."""
-    bias = "true" if op == "layer_norm" else "false"
-    fused, plain = ("true", bias, "true"), ("true", bias, "false")
+    bias = op == "layer_norm"
+    fused, plain = Switches(True, bias, True), Switches(True, bias, False)
 
     def occ(plan):  # 64 registers a thread: one 1024-thread block per SM
         by_smem = H100.model_occupancy(plan.threads, plan.smem_bytes)
         return min(by_smem, 65536 // (64 * plan.threads))
 
     # OneFlow's blocks: 3 of 256 threads (64 KiB each), 768 threads an SM
-    q = plan_rowwise(op, 8192, 16384, "float32", H100, occ, extra=plain)
-    assert q.block == (256, 1) and occ(q) * 256 <= _dispatch.OVERLAP_RESIDENT
+    q = plan_rowwise(op, 8192, 16384, "float32", H100, occ, switches=plain)
+    assert q.block == (256, 1) and occ(q) * 256 <= HOPPER.overlap_resident
     assert not q.overlap and q.grid == 8192  # OneFlow's waves: one row a block
-    p = plan_rowwise(op, 8192, 16384, "float32", H100, occ, extra=fused)
+    p = plan_rowwise(op, 8192, 16384, "float32", H100, occ, switches=fused)
     assert p.variant is Variant.BLOCK_SMEM and p.overlap
     assert p.block == (1024, 1) and occ(p) == 1 and p.grid == 132  # one wave
     assert p.name_expression().endswith(", true, true>")
     # overlapping blocks that share an SM: OneFlow's waves of them
-    r = plan_rowwise(op, 65536, 2048, "float32", H100, occ, extra=fused)
+    r = plan_rowwise(op, 65536, 2048, "float32", H100, occ, switches=fused)
     assert r.overlap and r.block == (256, 1) and occ(r) == 4
     assert r.grid == min(65536, 132 * 8 * 32)
     # many blocks an SM (16 of 128 threads): they take turns at memory, no overlap
-    s = plan_rowwise(op, 65536, 2048, "float16", H100, extra=fused)
+    s = plan_rowwise(op, 65536, 2048, "float16", H100, switches=fused)
     assert not s.overlap and s.block == (128, 1) and s.grid == 65536
     # a cluster: one wave, with a residual even where several blocks fit an SM
-    c = plan_rowwise(op, 1024, 131072, "float16", H100, extra=fused)
-    d = plan_rowwise(op, 1024, 131072, "float16", H100, extra=plain)
+    c = plan_rowwise(op, 1024, 131072, "float16", H100, switches=fused)
+    d = plan_rowwise(op, 1024, 131072, "float16", H100, switches=plain)
     assert c.variant is d.variant is Variant.CLUSTER and c.overlap and not d.overlap
     per_sm = H100.model_occupancy(d.threads, d.smem_bytes)
     # without a residual: OneFlow's waves of clusters, but one wave of layer norm's clusters of
@@ -495,22 +515,22 @@ def test_paired_rows():
     PAIRED_MIN_COLS, not a single row, not where two rows would need 16 blocks. Clusters of
     16 blocks (float32 at 262144 columns) run in one wave too; smaller ones of one row a pass
     in OneFlow's waves."""
-    lim = _dispatch.PAIRED_MIN_COLS
-    assert _dispatch.PAIRED_MAX_CLUSTER == 8
-    wb = ("true", "true", "false")
+    lim = HOPPER.paired_min_cols
+    assert HOPPER.paired_max_cluster == 8
+    wb = Switches(weight=True, bias=True)
     for dt in ("float16", "bfloat16"):
-        for extra in (wb, ("true", "false", "false"), ("false", "true", "false")):
+        for sw in (wb, Switches(weight=True), Switches(bias=True)):
             for cols in (lim, 153344):
-                p = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=extra)
-                one = _dispatch._replace(p, rows_per_pass=1)
+                p = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=sw)
+                one = replace(p, rows_per_pass=1)
                 assert p.variant is Variant.CLUSTER and p.rows_per_pass == 2, p
-                assert p.threads == 512 and p.min_blocks == 3 and not p.overlap
+                assert p.threads == 512 and norm.min_blocks(p) == 3 and not p.overlap
                 per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
                 assert per_sm == 3
                 # each block holds two slices of a cluster twice as wide as one row needs
                 slice_bytes = -(-cols // 8 // p.cluster) * 16
                 assert p.smem_bytes == 2 * slice_bytes + 128
-                q = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=("false",) * 3)
+                q = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=Switches())
                 assert q.rows_per_pass == 1 and q.cluster * 2 == p.cluster, q
                 # one wave: 501 passes over the resident clusters
                 assert p.grid == min(501, 132 * per_sm // p.cluster) * p.cluster
@@ -520,7 +540,7 @@ def test_paired_rows():
         # from 153352 columns two rows of 16-bit values need 16 blocks: one row a pass over 8
         # blocks, in OneFlow's waves
         for cols in (153352, 3 * lim // 2, 2 * lim):
-            p = plan_rowwise("layer_norm", 1001, cols, dt, H100, extra=wb)
+            p = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=wb)
             per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
             assert (p.variant, p.cluster, p.rows_per_pass) == (Variant.CLUSTER, 8, 1), p
             assert per_sm >= 3 and p.grid == min(1001, 132 * per_sm // 8 * 32) * 8, p
@@ -528,44 +548,44 @@ def test_paired_rows():
         # the rows it may not pair
         for op, rows, cols, ex in (("layer_norm", 1001, lim // 2, wb),
                                    ("layer_norm", 1, lim, wb),
-                                   ("layer_norm", 1001, lim, ("false",) * 3),
-                                   ("layer_norm", 1001, lim, ("true", "true", "true")),
-                                   ("rms_norm", 1001, lim, ("true", "false", "false"))):
-            p = plan_rowwise(op, rows, cols, dt, H100, extra=ex)
+                                   ("layer_norm", 1001, lim, Switches()),
+                                   ("layer_norm", 1001, lim, Switches(True, True, True)),
+                                   ("rms_norm", 1001, lim, Switches(weight=True))):
+            p = plan_rowwise(op, rows, cols, dt, H100, switches=ex)
             assert p.variant is Variant.CLUSTER and p.rows_per_pass == 1, (op, rows, cols, ex)
             assert "rows_per_pass" not in str(p)
     for dt in ("float32", "float64"):
-        p = plan_rowwise("layer_norm", 1001, 2 * lim, dt, H100, extra=wb)
+        p = plan_rowwise("layer_norm", 1001, 2 * lim, dt, H100, switches=wb)
         assert p.variant is Variant.CLUSTER and p.rows_per_pass == 1
     # one wave for clusters of 16 blocks, OneFlow's waves for smaller ones
-    p = plan_rowwise("layer_norm", 512, 262144, "float32", H100, extra=wb)
+    p = plan_rowwise("layer_norm", 512, 262144, "float32", H100, switches=wb)
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert (p.cluster, p.rows_per_pass, per_sm) == (16, 1, 3)
     assert p.grid == 132 * 3 // 16 * 16
-    p = plan_rowwise("layer_norm", 1024, 131072, "float32", H100, extra=wb)
+    p = plan_rowwise("layer_norm", 1024, 131072, "float32", H100, switches=wb)
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.cluster == 8 and p.grid == min(1024, 132 * per_sm // 8 * 32) * 8
 
 
 def test_backward_with_weight_uses_one_wave_of_blocks():
     # one partial row of dweight/dbias per block: the grid is what is resident at once
-    p = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, extra=("true",))
+    p = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, switches=WEIGHT)
     assert p.variant is Variant.WARP and p.grid == 132 * 16  # 128 threads, 16 blocks per SM
-    q = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, extra=("false",))
+    q = plan_rowwise("layer_norm_backward", 10**5, 64, "float32", H100, switches=Switches())
     assert q.grid == min(-(-10**5 // 2 // q.block[1]), 132 * 16 * 32)  # OneFlow's waves
-    p = plan_rowwise("layer_norm_backward", 3, 64, "float32", H100, extra=("true",))
+    p = plan_rowwise("layer_norm_backward", 3, 64, "float32", H100, switches=WEIGHT)
     assert p.grid == 1  # never more blocks than rows need
-    p = plan_rowwise("rms_norm_backward", 4096, 4096, "float16", H100, extra=("true",))
+    p = plan_rowwise("rms_norm_backward", 4096, 4096, "float16", H100, switches=WEIGHT)
     assert p.variant is Variant.BLOCK_SMEM
     assert p.smem_bytes == 2 * 2 * 4096 * 2 + 4096 * 4 + 128  # x and dy twice, the sums
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.grid == 132 * per_sm
-    p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", H100, extra=("true",))
+    p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", H100, switches=WEIGHT)
     assert p.variant is Variant.CLUSTER
     per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
     assert p.grid == 132 * per_sm // p.cluster * p.cluster
     # the uncached kernel leaves the column sums to norm_param_grad_partial: OneFlow's waves
-    p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", A100, extra=("true",))
+    p = plan_rowwise("layer_norm_backward", 4096, 50000, "float16", A100, switches=WEIGHT)
     assert p.variant is Variant.BLOCK_UNCACHED and p.grid == 4096
     assert any("norm_param_grad_partial" in n for n in p.notes)
 
@@ -579,12 +599,12 @@ def test_explain_knows_the_norms():
     # the call's weight, bias and residual choose the kernel too
     p = cukern.explain("layer_norm", (8, 197, 768), "float16", device=H100, weight=True,
                        residual=True)
-    assert p.extra == ("true", "false", "true")
+    assert p.switches == Switches(weight=True, residual=True)
     p = cukern.explain("rms_norm", (2048, 65536), "float16", device=H100, residual=True)
-    assert p.extra == ("false", "false", "true") and p.overlap and p.grid == 132
+    assert p.switches == Switches(residual=True) and p.overlap and p.grid == 132
     assert not cukern.explain("rms_norm", (2048, 65536), "float16", device=H100).overlap
     p = cukern.explain("layer_norm_backward", (64, 8192), "float32", device=H100, weight=True)
-    assert p.extra == ("true",)
+    assert p.switches == Switches(weight=True)
     assert p.name_expression().startswith("cukern::layer_norm_grad_block_smem<float, 0, 4, true,")
     with pytest.raises(ValueError, match="rms_norm takes no bias"):
         cukern.explain("rms_norm", (4, 64), "float32", device=H100, bias=True)
@@ -606,31 +626,41 @@ def test_reachable_covers_planner_output():
     for op in NORM_OPS:
         # the switches only append template arguments, except the backward's WEIGHT, which also
         # sizes shared memory: try the first and the last of each op's list
-        extras = {OPS[op].extras[0], OPS[op].extras[-1]}
+        switch_sets = {policy(op).switch_sets[0], policy(op).switch_sets[-1]}
         for dt in ITEM:
             for device in (H100, A100):
-                reach = _dispatch.reachable_plans(op, dt, device)
-                for extra in extras:
+                reach = planner.reachable_plans(op, dt, device)
+                for sw in switch_sets:
                     for cols in (short if device is H100 else []) + long:
                         for rows in (1, 2):
                             for align in (1, 2, 4, 16):
                                 p = plan_rowwise(op, rows, cols, dt, device, align_elems=align,
-                                                 extra=extra)
+                                                 switches=sw)
                                 assert p.name_expression() in reach, p
+
+
+def reachable(op, dtype, device):
+    """Every kernel ``op`` can launch (auxiliary kernels included): its source's names."""
+    by_source = registry.kernel_names([op], [dtype], device)
+    assert set(by_source) == {policy(op).source}
+    return by_source[policy(op).source]
 
 
 def test_reachable_sets():
     for op in NORM_OPS:
+        pol = policy(op)
+        overlap_switch = pol.switches.index("residual") if pol.overlap_with_residual else -1
         for dt in ITEM:
-            names = _dispatch.reachable_plans(op, dt, H100)
+            names = reachable(op, dt, H100)
             kernels = [n for n in names if "param_grad" not in n]
-            n_extra = len(OPS[op].extras[0])
+            assert set(kernels) == planner.reachable_plans(op, dt, H100)
+            n_extra = len(pol.switches)
 
             def switches(name):
                 """The op's switches: the forward's cached kernels end in Plan.overlap (its
                 clusters in Plan.overlap, Plan.min_blocks, then Plan.rows_per_pass)."""
                 args = name[:-1].split(", ")
-                if OPS[op].overlap_switch >= 0 and "_cluster<" in name:
+                if overlap_switch >= 0 and "_cluster<" in name:
                     # two rows a pass only for 16-bit layer norm with weight or bias, blocks of
                     # at most 512 threads (MIN_BLOCKS 3) and no overlap
                     assert args[-1] == "1" or (args[-1] == "2" and args[-2] == "3" and ITEM[dt] == 2
@@ -639,20 +669,21 @@ def test_reachable_sets():
                     # MIN_BLOCKS 3 only for blocks that do not overlap their rows
                     assert args[-2] == "1" or args[-2] == "3" and args[-3] == "false", name
                     args = args[:-2]
-                if OPS[op].overlap_switch >= 0 and ("_warp<" not in name and
-                                                    "_uncached<" not in name):
+                if overlap_switch >= 0 and ("_warp<" not in name and
+                                            "_uncached<" not in name):
                     assert args[-1] in ("false", "true")
                     # blocks overlap their rows only where the op's switch allows it
-                    assert args[-1] == "false" or args[-1 - n_extra + OPS[op].overlap_switch] \
+                    assert args[-1] == "false" or args[-1 - n_extra + overlap_switch] \
                         == "true", name
                     args = args[:-1]
                 return tuple(args[-n_extra:])
 
             # every switch combination, and nothing else
-            assert {switches(n) for n in kernels} == set(OPS[op].extras)
+            assert {switches(n) for n in kernels} == {switch_flags(op, sw)
+                                                      for sw in pol.switch_sets}
             if op == "rms_norm":  # no bias
                 assert all(switches(n)[1] == "false" for n in kernels)
-            if OPS[op].overlap_switch >= 0:  # both ways with a residual, for the block kernel
+            if overlap_switch >= 0:  # both ways with a residual, for the block kernel
                 assert any(n.endswith(", true, true>") and "_block_smem<" in n for n in kernels)
                 assert any(n.endswith(", true, false>") and "_block_smem<" in n for n in kernels)
                 # clusters: both launch bounds without overlap, the wide one with it; two rows a
@@ -666,9 +697,9 @@ def test_reachable_sets():
                     op == "layer_norm" and ITEM[dt] == 2)
             if op in BWD:
                 assert f"cukern::norm_param_grad_reduce<{CPP[dt]}>" in names
-                algo = OPS[op].algo
+                algo = pol.algo
                 assert f"cukern::norm_param_grad_partial<{CPP[dt]}, {algo}, 1>" in names
-            a100 = _dispatch.reachable_plans(op, dt, A100)
+            a100 = reachable(op, dt, A100)
             assert not any("cluster" in n for n in a100)
             assert {n for n in names if "cluster" not in n} == a100
 
@@ -676,9 +707,14 @@ def test_reachable_sets():
 def _compile_group(args):
     op, dtype, arch = args
     device = H100 if arch == "sm_90" else A100
-    names = sorted(_dispatch.reachable_plans(op, dtype, device))
-    lowered = _compile.compile_check("layer_norm", names, arch)
-    return op, dtype, len(names), sum(1 for v in lowered.values() if v)
+    n = n_lowered = 0
+    # every kernel the op can launch, by kernel source (forward "layer_norm", backward
+    # "layer_norm_grad", with its auxiliary kernels)
+    for source, names in registry.kernel_names([op], [dtype], device).items():
+        lowered = _compile.compile_check(source, sorted(names), arch)
+        n += len(names)
+        n_lowered += sum(1 for v in lowered.values() if v)
+    return op, dtype, n, n_lowered
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -694,9 +730,10 @@ def test_every_reachable_instantiation_compiles(arch):
 
 def test_source_inlines_includes_once():
     src = _compile.source("layer_norm")
-    assert '#include "common.cuh"' not in src
+    grad = _compile.source("layer_norm_grad")  # the backward's kernels
+    assert '#include "' not in src and '#include "' not in grad  # every local include inlined
     assert src.count("struct Welford") == 1
-    assert "layer_norm_cluster" in src and "norm_param_grad_reduce" in src
+    assert "layer_norm_cluster" in src and "norm_param_grad_reduce" in grad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -872,15 +909,15 @@ def test_eps_validation():
 
 def test_trailing_layout():
     a = np.zeros((4, 6, 5), np.float32)
-    assert _common.trailing_layout(a, 1) == (24, 5, 5)
-    assert _common.trailing_layout(a, 2) == (4, 30, 30)
-    assert _common.trailing_layout(a[:, :, :3], 1) == (24, 3, 5)  # row stride > cols
-    assert _common.trailing_layout(a[:, :3, :], 2) == (4, 15, 30)
-    assert _common.trailing_layout(a[:, :3, :3], 2) is None  # trailing dims not one run
-    assert _common.trailing_layout(a[:, :, ::2], 1) is None  # columns not contiguous
-    assert _common.trailing_layout(a.transpose(1, 0, 2), 1) is None  # leading dims: two strides
-    assert _common.trailing_layout(np.zeros((1, 7), np.float32), 1) == (1, 7, 7)
-    assert _common.trailing_layout(np.zeros((5, 1), np.float32)[::2], 1) == (3, 1, 2)
+    assert trailing(a, 1) == (24, 5, 5)
+    assert trailing(a, 2) == (4, 30, 30)
+    assert trailing(a[:, :, :3], 1) == (24, 3, 5)  # row stride > cols
+    assert trailing(a[:, :3, :], 2) == (4, 15, 30)
+    assert trailing(a[:, :3, :3], 2) is None  # trailing dims not one run
+    assert trailing(a[:, :, ::2], 1) is None  # columns not contiguous
+    assert trailing(a.transpose(1, 0, 2), 1) is None  # leading dims: two strides
+    assert trailing(np.zeros((1, 7), np.float32), 1) == (1, 7, 7)
+    assert trailing(np.zeros((5, 1), np.float32)[::2], 1) == (3, 1, 2)
 
 
 def test_host_arrays_are_refused():

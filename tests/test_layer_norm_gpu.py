@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern import reference
-from cukern._dispatch import CLUSTER_SIZES, OPS, Variant, max_dynamic_smem
+from cukern import reference, runner
+from cukern.families import norm
 from cukern.ops import layer_norm as ln_mod
+from cukern.plan import CLUSTER_SIZES, Switches, Variant, max_dynamic_smem
+from cukern.registry import policy
 
 from .conftest import DTYPES, TOL, col_sums_expected
 
@@ -67,8 +69,8 @@ def spec():
 
 
 def smem_per_col(op, dtype, weight):
-    sums = OPS[op].col_sums if weight else 0
-    return ITEM[dtype] * OPS[op].inputs + sums * (8 if dtype == "float64" else 4)
+    sums = policy(op).col_sums if weight else 0
+    return ITEM[dtype] * policy(op).inputs + sums * (8 if dtype == "float64" else 4)
 
 
 def col_sums_shapes(op, dtype):
@@ -78,9 +80,8 @@ def col_sums_shapes(op, dtype):
     conftest.col_sums_expected."""
     shapes = [((1, 1), Variant.WARP), ((7, 33), Variant.WARP), ((5, 512), Variant.WARP),
               ((5, 513), Variant.BLOCK_SMEM), ((5, 1024), Variant.BLOCK_SMEM)]
-    from cukern.ops import _common
 
-    occ = _common.driver_occupancy(0)
+    occ = runner.driver_occupancy(0)
     for cols in (1025, 2048, 5001, 6500, 12288, 14500, 16384, 18000, 20001, 36000, 70000,
                  10**5 + 3, 160000, 300000):
         way = col_sums_expected(op, dtype, cols, spec(), occ)
@@ -92,7 +93,7 @@ def col_sums_shapes(op, dtype):
 
 
 # The expected variant of a row that one block's shared memory holds alone on its SM, for an op
-# that then prefers a cluster whose blocks share SMs (OpInfo.split_lone_blocks): check_lone.
+# that then prefers a cluster whose blocks share SMs (OpPolicy.split_lone_blocks): check_lone.
 LONE = "lone block"
 
 
@@ -109,9 +110,9 @@ def check_lone(plan, residual):
 def variant_shapes(op, dtype, weight=False):
     """(shape, expected variant or None) on this device: every regime, its edges, and the
     issue's edge columns 1, 2, 31, 33, 1023, 1024, 1025 and 10**5 + 3."""
-    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, weight)
+    edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, weight)
     wide = 16 // ITEM[dtype]
-    at_edge = LONE if OPS[op].split_lone_blocks else Variant.BLOCK_SMEM
+    at_edge = LONE if policy(op).split_lone_blocks else Variant.BLOCK_SMEM
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
               ((5, 64), Variant.WARP), ((6, 24), Variant.WARP), ((7, 40), Variant.WARP),
@@ -133,7 +134,7 @@ def variant_shapes(op, dtype, weight=False):
 
 def combos(op):
     """(weight, bias, residual) switch combinations of a forward op."""
-    return [tuple(v == "true" for v in e) for e in OPS[op].extras]
+    return [(s.weight, s.bias, s.residual) for s in policy(op).switch_sets]
 
 
 def make(shape, dtype, rng, scale=2.0, shift=0.5):
@@ -202,7 +203,7 @@ def test_forward_every_variant_and_switch(op, dtype, rng):
             r = make(shape, dtype, rng) if residual else None
             check_forward(op, x, cols, w, b, r, dtype)
             plan = ln_mod.last_plan(op)
-            assert plan.extra == tuple("true" if f else "false" for f in (weight, bias, residual))
+            assert plan.switches == Switches(weight, bias, residual)
             if variant is LONE:
                 check_lone(plan, residual)
             elif variant is not None:
@@ -273,9 +274,7 @@ def test_forward_return_forms(rng):
 @pytest.mark.parametrize("op", FWD)
 def test_forward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
     """The uncached kernel on ordinary rows, by making the block kernels unlaunchable."""
-    from cukern.ops import _common
-
-    monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+    monkeypatch.setattr(runner, "driver_occupancy", lambda dev: (lambda plan: 0))
     monkeypatch.setattr(ln_mod, "_launches", {})
     monkeypatch.setattr(ln_mod, "_fresh", {})
     for shape in [(3, 1025), (5, 4097), (2, 20000)]:
@@ -298,21 +297,21 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
     of one element; the rest end in partial strides of the block."""
     from dataclasses import replace
 
-    planned = ln_mod._plan
+    planned = runner.plan_for
     overlap = [False]
 
     def two_groups(*args, **kwargs):
         plan = planned(*args, **kwargs)
-        if plan.variant is Variant.BLOCK_SMEM and plan.extra[2] == "true":
+        if plan.variant is Variant.BLOCK_SMEM and plan.switches.residual:
             plan = replace(plan, overlap=overlap[0])
         if plan.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
             plan = replace(plan, grid=2 * plan.cluster)
         return plan
 
-    monkeypatch.setattr(ln_mod, "_plan", two_groups)
+    monkeypatch.setattr(runner, "plan_for", two_groups)
     monkeypatch.setattr(ln_mod, "_launches", {})
     monkeypatch.setattr(ln_mod, "_fresh", {})
-    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
+    edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
     cases = [(1025, Variant.BLOCK_SMEM), (4104, Variant.BLOCK_SMEM), (edge // wide * wide, LONE)]
     if spec().has_clusters:
@@ -380,14 +379,14 @@ def _force_cluster_plans(monkeypatch, change):
     clusters)."""
     if not spec().has_clusters:
         pytest.skip("needs thread-block clusters (sm_90 or newer)")
-    planned = ln_mod._plan
+    planned = runner.plan_for
 
     def forced(*args, **kwargs):
         plan = planned(*args, **kwargs)
         assert plan.variant is Variant.CLUSTER, plan
         return change(plan)
 
-    monkeypatch.setattr(ln_mod, "_plan", forced)
+    monkeypatch.setattr(runner, "plan_for", forced)
 
 
 def _check_forced(op, dtype, rng, monkeypatch, rows, cols, weight, bias):
@@ -404,16 +403,17 @@ def _check_forced(op, dtype, rng, monkeypatch, rows, cols, weight, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", FWD)
 def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
-    """The forward cluster kernel both ways (Plan.min_blocks): blocks of at most 512 threads
-    that load two packs' gamma and beta ahead of their stores (MIN_BLOCKS 3), and 1024-thread
-    blocks that do not (1). Block widths that leave threads with odd and even numbers of packs,
-    and slices that end part-way through a stride, on two clusters looping over 9 rows."""
+    """The forward cluster kernel both ways (families.norm.min_blocks): blocks of at most 512
+    threads that load two packs' gamma and beta ahead of their stores (MIN_BLOCKS 3), and
+    1024-thread blocks that do not (1). Block widths that leave threads with odd and even
+    numbers of packs, and slices that end part-way through a stride, on two clusters looping
+    over 9 rows."""
     from dataclasses import replace
 
     threads = [0]
     _force_cluster_plans(monkeypatch, lambda plan: replace(plan, block=(threads[0], 1),
                                                            grid=2 * plan.cluster))
-    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
+    edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
     for cols in ((edge // wide + 1) * wide, 5 * (edge // wide) * wide + 3 * wide,
                  3 * (edge // wide) * wide + 1):
@@ -421,7 +421,7 @@ def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
             plan = _check_forced(op, dtype, rng, monkeypatch, 9, cols, True,
                                  op == "layer_norm")
             assert plan.threads == threads[0] and not plan.overlap, plan
-            assert plan.min_blocks == want
+            assert norm.min_blocks(plan) == want
             assert plan.name_expression().endswith(f", {want}, {plan.rows_per_pass}>")
 
 
@@ -444,14 +444,14 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
         if plan.rows_per_pass == 1:  # twice the blocks, or else twice the slice
             size = min(2 * plan.cluster, max(CLUSTER_SIZES))
             slice_packs = -(-(plan.cols // plan.pack_size) // size)
-            smem = 2 * slice_packs * plan.pack_size * ITEM[dtype] + OPS[op].smem_align
+            smem = 2 * slice_packs * plan.pack_size * ITEM[dtype] + policy(op).smem_align
             assert smem <= max_dynamic_smem(spec()), plan
             plan = replace(plan, cluster=size, rows_per_pass=2, smem_bytes=smem)
         passes = -(-plan.rows // 2)
         return replace(plan, grid=(clusters[0] or passes) * plan.cluster)
 
     _force_cluster_plans(monkeypatch, paired)
-    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, False)
+    edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
     switches = ((True, True), (True, False), (False, True), (False, False)) \
         if op == "layer_norm" else ((True, False), (False, False))
@@ -466,7 +466,7 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
 
 def _variant_cases(op, dtype):
     """Columns that reach the warp, block, cluster (Hopper) and uncached kernels."""
-    edge = (max_dynamic_smem(spec()) - OPS[op].smem_align) // smem_per_col(op, dtype, True)
+    edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, True)
     wide = 16 // ITEM[dtype]
     cases = [1000, 5000, min(edge // wide * wide, 20000)]
     if spec().has_clusters:
@@ -480,9 +480,7 @@ def test_constant_rows(op, dtype, rng, monkeypatch):
     """var = 0: y is exactly beta (layer norm), rstd = 1 / sqrt(eps)."""
     for uncached in (False, True):
         if uncached:
-            from cukern.ops import _common
-
-            monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+            monkeypatch.setattr(runner, "driver_occupancy", lambda dev: (lambda plan: 0))
             monkeypatch.setattr(ln_mod, "_launches", {})
             monkeypatch.setattr(ln_mod, "_fresh", {})
         for cols in (_variant_cases(op, dtype) if not uncached else [3000]):
@@ -506,9 +504,7 @@ def test_large_offsets(op, rng, monkeypatch):
     statistics still match float64 to float32 precision, in every variant."""
     for uncached in (False, True):
         if uncached:
-            from cukern.ops import _common
-
-            monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+            monkeypatch.setattr(runner, "driver_occupancy", lambda dev: (lambda plan: 0))
             monkeypatch.setattr(ln_mod, "_launches", {})
             monkeypatch.setattr(ln_mod, "_fresh", {})
         for cols in (_variant_cases(op, "float32") if not uncached else [3000, 70000]):
@@ -621,9 +617,7 @@ def check_backward(op, x, dy, w, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", BWD)
 def test_backward_every_variant(op, dtype, weight, rng):
-    from cukern.ops import _common
-
-    occ = _common.driver_occupancy(0)
+    occ = runner.driver_occupancy(0)
     shapes = col_sums_shapes(op, dtype) if weight else variant_shapes(op, dtype)
     for shape, variant in shapes:
         x = make(shape, dtype, rng)
@@ -631,7 +625,7 @@ def test_backward_every_variant(op, dtype, weight, rng):
         w = make(shape[-1], dtype, rng, 1.0, 1.0) if weight else None
         check_backward(op, x, dy, w, dtype)
         plan = ln_mod.last_plan(op)
-        assert plan.extra == (("true",) if weight else ("false",))
+        assert plan.switches == Switches(weight=weight)
         if variant is not None:
             assert plan.variant is variant, (shape, plan)
         if weight and variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
@@ -645,10 +639,9 @@ def test_backward_every_variant(op, dtype, weight, rng):
 @pytest.mark.parametrize("op", BWD)
 def test_param_grad_reduce_shapes(op, dtype, rng):
     """dweight (and dbias) from the partial rows by norm_param_grad_reduce in each of its
-    shapes (_dispatch.param_reduce_shape): 16-byte column lanes or single columns, one to 32
+    shapes (plan.param_reduce_shape): 16-byte column lanes or single columns, one to 32
     row lanes, columns that the lanes do or do not divide."""
-    from cukern._dispatch import param_reduce_shape
-    from cukern.ops import _common
+    from cukern.plan import param_reduce_shape
 
     seen = set()
     for rows, cols in ((300, 36000), (300, 36001), (40, 36000), (2, 65536), (5000, 1024),
@@ -660,8 +653,8 @@ def test_param_grad_reduce_shapes(op, dtype, rng):
         plan = ln_mod.last_plan(op)
         if plan.variant in (Variant.BLOCK_SMEM, Variant.CLUSTER):
             prows = plan.grid // plan.cluster
-            vec, block, _ = param_reduce_shape(cols, prows, OPS[op].col_sums, dtype,
-                                               _common.device_spec(0))
+            vec, block, _ = param_reduce_shape(cols, prows, policy(op).col_sums, dtype,
+                                               runner.device_spec(0))
             seen.add((vec, block[1] > 1 and block[1] < 32))
     assert {(True, True), (False, False)} <= seen, seen
 
@@ -676,14 +669,14 @@ def test_backward_gamma_in_shared_memory_both_ways(op, dtype, rng, monkeypatch):
     blocks (or clusters) that loop over rows."""
     from dataclasses import replace
 
-    planned = ln_mod._plan
+    planned = runner.plan_for
     gamma, fits = [False], [False]
 
     def forced(*args, **kwargs):
         plan = planned(*args, **kwargs)
         if plan.variant not in (Variant.BLOCK_SMEM, Variant.CLUSTER):
             return plan
-        packs, align = plan.cols // plan.pack_size, OPS[plan.op].smem_align
+        packs, align = plan.cols // plan.pack_size, policy(plan.op).smem_align
 
         def values(size):
             return -(-packs // size) * plan.pack_size
@@ -702,7 +695,7 @@ def test_backward_gamma_in_shared_memory_both_ways(op, dtype, rng, monkeypatch):
             plan = replace(plan, gamma_in_smem=gamma[0], smem_bytes=smem, cluster=size)
         return replace(plan, grid=2 * plan.cluster)
 
-    monkeypatch.setattr(ln_mod, "_plan", forced)
+    monkeypatch.setattr(runner, "plan_for", forced)
     cases = [1001, 1024, 4096, 8192, 16384]
     if spec().has_clusters:  # just past one block (room left in each slice), and fuller
         cases += [20001, 24000, 36000, 70001]
@@ -731,12 +724,11 @@ def test_max_active_clusters():
     """The driver's count of co-resident clusters sizes the backward's one-wave cluster grid."""
     if not spec().has_clusters:
         pytest.skip("needs thread-block clusters (sm_90)")
-    from cukern._dispatch import plan_rowwise
-    from cukern.ops import _common
+    from cukern.plan import plan_rowwise
 
-    occ = _common.driver_occupancy(0)
+    occ = runner.driver_occupancy(0)
     plan = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", spec(), occ,
-                        extra=("true",))
+                        switches=Switches(weight=True))
     assert plan.variant is Variant.CLUSTER
     n = occ.max_clusters(plan)
     assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
@@ -746,9 +738,7 @@ def test_max_active_clusters():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", BWD)
 def test_backward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
-    from cukern.ops import _common
-
-    monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+    monkeypatch.setattr(runner, "driver_occupancy", lambda dev: (lambda plan: 0))
     monkeypatch.setattr(ln_mod, "_launches", {})
     monkeypatch.setattr(ln_mod, "_fresh", {})
     for shape in [(3, 1025), (5, 4097), (40, 20000)]:

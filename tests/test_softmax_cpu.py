@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern import _compile, _dispatch, reference
+from cukern import _compile, reference, registry, runner
+from cukern import plan as planner
 from cukern._device import DeviceSpec
-from cukern._dispatch import Variant, plan_rowwise
-from cukern.ops import _common
+from cukern.plan import HOPPER, Variant, plan_rowwise
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -25,7 +25,8 @@ ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 # Planner: the documented rules, one shape at a time.
 
 LONG = 2**23  # rows enough for many waves of the warp kernel
-# (cols, rows, dtype) -> (pack, width, cols_per_thread, rows_per_access, padding)
+# (cols, rows, dtype) -> (pack, width, cols_per_thread, rows_per_access, padding). The warp
+# kernel holds a power-of-two number of packs per lane, so cols_per_thread rounds up.
 WARP_TABLE = [
     (1, 8, "float32", 1, 1, 1, 2, False),
     (1, 7, "float32", 1, 1, 1, 1, False),
@@ -36,7 +37,7 @@ WARP_TABLE = [
     (33, 9, "float32", 1, 32, 2, 1, True),
     (64, 4, "float32", 4, 16, 4, 2, False),
     (64, 4, "float16", 8, 8, 8, 2, False),
-    (129, 4, "float32", 1, 32, 5, 1, True),
+    (129, 4, "float32", 1, 32, 8, 1, True),  # 5 packs of 1 -> 8
     (256, 4, "float16", 8, 32, 8, 2, False),
     (264, 4, "float16", 8, 32, 16, 1, True),
     (1000, 49152, "float16", 8, 32, 32, 1, True),
@@ -56,15 +57,19 @@ def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
     assert (p.pack_size, p.thread_group_width, p.cols_per_thread, p.rows_per_access,
             p.padding) == (pack, width, cpt, rpa, padding)
     assert p.block == (width, 128 // width)
-    # every column is covered exactly once by (pack id, lane)
-    assert cpt * width >= cols and (cpt - pack) * width < cols or cols <= pack * width
+    # every column is covered once by (pack id, lane), with the fewest packs a power of two
+    # allows
+    npacks = cpt // pack
+    assert npacks & (npacks - 1) == 0  # a power of two
+    assert cpt * width >= cols  # every column has a slot
+    assert cols <= pack * width or cpt // 2 * width < cols  # and not twice as many as needed
     assert p.smem_bytes == 0
 
 
 def test_short_grids_take_one_row_per_access():
     # float16, 32 columns: groups of 4 lanes, 32 a block; one wave is 132 SMs x 16 blocks
     wave = 132 * (2048 // 128)
-    edge = _dispatch.SHORT_GRID_WAVES * wave * 32  # rows whose one-row grid is exactly 4 waves
+    edge = HOPPER.short_grid_waves * wave * 32  # rows whose one-row grid is exactly 4 waves
     for op in FWD + BWD:
         assert plan_rowwise(op, 49152, 32, "float16", H100).rows_per_access == 1
         assert plan_rowwise(op, edge, 32, "float16", H100).rows_per_access == 1
@@ -97,9 +102,9 @@ def test_grids():
 
 def _smem_boundary(op, dtype, device):
     """Largest cols (a multiple of the widest pack) whose row(s) fit one block's shared memory."""
-    inputs = _dispatch.OPS[op].inputs
+    inputs = registry.policy(op).inputs
     pack = 16 // ITEM[dtype]
-    limit = device.smem_per_block_optin - _dispatch.STATIC_SMEM
+    limit = device.smem_per_block_optin - HOPPER.static_smem
     return limit // (ITEM[dtype] * inputs) // pack * pack
 
 
@@ -109,11 +114,11 @@ def test_block_smem_boundary(op, dtype):
     edge = _smem_boundary(op, dtype, H100)
     inside = plan_rowwise(op, 1000, edge, dtype, H100)
     assert inside.variant is Variant.BLOCK_SMEM
-    assert inside.smem_bytes == edge * ITEM[dtype] * _dispatch.OPS[op].inputs
-    assert inside.smem_bytes <= _dispatch.max_dynamic_smem(H100)
+    assert inside.smem_bytes == edge * ITEM[dtype] * registry.policy(op).inputs
+    assert inside.smem_bytes <= planner.max_dynamic_smem(H100)
     below = plan_rowwise(op, 1000, edge - 1, dtype, H100)
     assert below.variant is Variant.BLOCK_SMEM
-    above = plan_rowwise(op, 1000, edge + _dispatch.pack_size(dtype, edge, 16, False), dtype,
+    above = plan_rowwise(op, 1000, edge + planner.pack_size(dtype, edge, 16, False), dtype,
                          H100)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
     assert above.cluster == 2  # the smallest cluster that holds the row
@@ -144,7 +149,7 @@ def test_cluster_rule():
     two or more at a time with at least the op's resident threads; else the smallest cluster
     that fits, widest block; one wave of clusters for softmax, OneFlow's waves for the norms."""
     for op in FWD + BWD:
-        inputs = _dispatch.OPS[op].inputs
+        inputs = registry.policy(op).inputs
         # 64 KiB slices: 3 blocks of 256 threads per SM (the device model counts no registers)
         cols = 4 * 32768 // inputs
         p = plan_rowwise(op, 2**27 // cols, cols, "float16", H100)
@@ -162,9 +167,9 @@ def test_cluster_rule():
         assert (p.cluster, p.block, p.smem_bytes) == (16, (1024, 1), 131072), p
         assert p.grid == 132 // 16 * 16
     p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100)
-    # 1536 threads an SM; 128 bytes more align the cached slice (OpInfo.smem_align)
+    # 1536 threads an SM; 128 bytes more align the cached slice (OpPolicy.smem_align)
     assert (p.cluster, p.block, p.smem_bytes) == (4, (512, 1), 65536 + 128), p
-    assert p.grid == min(1024, 132 * 3 // 4 * _dispatch.WAVES) * 4  # the norms: waves
+    assert p.grid == min(1024, 132 * 3 // 4 * HOPPER.waves) * 4  # the norms: waves
 
     # the driver may fit fewer clusters than SMs x blocks per SM / cluster size (GPCs)
     def occ(plan):
@@ -181,7 +186,7 @@ def test_cluster_rule():
 
 def test_refused_cluster_size_falls_back():
     """A driver that takes no cluster of 16 (the occupancy hook answers 0 for it, as
-    ops/_common.driver_occupancy does when the driver fits none) leaves the planner to the
+    runner.driver_occupancy does when the driver fits none) leaves the planner to the
     portable sizes, or to the uncached kernel."""
     def portable_only(plan):
         return 0 if plan.cluster > 8 else H100.model_occupancy(plan.threads, plan.smem_bytes)
@@ -242,26 +247,30 @@ def test_model_occupancy():
 # NVRTC: every instantiation the planner can produce compiles for Ampere and Hopper.
 
 def _compile_group(args):
-    op, dtype, arch = args
-    device = H100 if arch == "sm_90" else A100
-    names = sorted(_dispatch.reachable_plans(op, dtype, device))
-    lowered = _compile.compile_check(_dispatch.OPS[op].family, names, arch)
-    return op, dtype, arch, len(names), sum(1 for v in lowered.values() if v)
+    source, names, arch = args
+    lowered = _compile.compile_check(source, names, arch)
+    return len(names), sum(1 for v in lowered.values() if v)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_reachable_instantiation_compiles(arch):
-    groups = [(op, dt, arch) for op in FWD + BWD for dt in ITEM]
+    # every kernel the softmax ops can launch, by kernel source, one group per (source, dtype):
+    # the kernels take the group width and block size at run time, so one (op, dtype) alone
+    # reaches fewer than 100 instantiations; the four ops of a dtype share the source
+    device = H100 if arch == "sm_90" else A100
+    groups = [(source, sorted(names), arch, dt) for dt in ITEM
+              for source, names in registry.kernel_names(FWD + BWD, [dt], device).items()]
+    assert {g[0] for g in groups} == {"softmax"}
     workers = max(1, min(len(groups), os.cpu_count() or 1))
     with cf.ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(_compile_group, groups))
-    for op, dtype, _, n, lowered in results:
-        assert n > 100, (op, dtype)
-        assert lowered == n, (op, dtype)
+        results = list(pool.map(_compile_group, [g[:3] for g in groups]))
+    for (source, _, _, dtype), (n, lowered) in zip(groups, results):
+        assert n > 100, (source, dtype)
+        assert lowered == n, (source, dtype)
 
 
 def test_reachable_covers_planner_output():
-    reach = {op: {dt: _dispatch.reachable_plans(op, dt, H100) for dt in ITEM} for op in FWD + BWD}
+    reach = {op: {dt: planner.reachable_plans(op, dt, H100) for dt in ITEM} for op in FWD + BWD}
     rng = np.random.default_rng(0)
     for op in FWD + BWD:
         for dt in ITEM:
@@ -276,7 +285,7 @@ def test_reachable_covers_planner_output():
 
 def test_source_inlines_includes_once():
     src = _compile.source("softmax")
-    assert '#include "common.cuh"' not in src
+    assert '#include "' not in src  # every local include inlined
     assert src.count("struct MaxSum") == 1
     assert "softmax_cluster" in src
 
@@ -314,21 +323,21 @@ def test_reference_backward_matches_finite_differences(rng, log):
 
 def test_layout_contiguous_and_views():
     a = np.zeros((4, 6, 5), np.float32)
-    assert _common.layout(a, 2) == (24, 5, 1, 5, 0, 1)
-    assert _common.layout(a, 1) == (20, 6, 5, 30, 1, 5)
-    assert _common.layout(a, 0) == (30, 4, 30, 0, 1, 30)
+    assert runner.layout(a, 2) == (24, 5, 1, 5, 0, 1)
+    assert runner.layout(a, 1) == (20, 6, 5, 30, 1, 5)
+    assert runner.layout(a, 0) == (30, 4, 30, 0, 1, 30)
     b = np.zeros((8, 10), np.float32)[:, :7]
-    assert _common.layout(b, 1) == (8, 7, 1, 10, 0, 1)
-    assert _common.layout(b.T, 1) == (7, 8, 1, 1, 0, 10)
+    assert runner.layout(b, 1) == (8, 7, 1, 10, 0, 1)
+    assert runner.layout(b.T, 1) == (7, 8, 1, 1, 0, 10)
     c = np.zeros((4, 6, 5), np.float32).transpose(1, 0, 2)[:, :, ::2]
-    assert _common.layout(c, 0) is None  # (4, 3) remaining dims cannot merge into one stride
-    assert _common.layout(np.zeros((), np.float32), 0) == (1, 1, 1, 0, 0, 1)
+    assert runner.layout(c, 0) is None  # (4, 3) remaining dims cannot merge into one stride
+    assert runner.layout(np.zeros((), np.float32), 0) == (1, 1, 1, 0, 0, 1)
 
 
 def test_align_elems():
-    assert _common.align_elems(2, [0, 32], [64]) == 16
-    assert _common.align_elems(2, [0, 6], [64]) == 1
-    assert _common.align_elems(4, [0, 16], [6]) == 2
+    assert runner.align_elems(2, [0, 32], [64]) == 16
+    assert runner.align_elems(2, [0, 6], [64]) == 1
+    assert runner.align_elems(4, [0, 16], [6]) == 2
 
 
 def test_host_arrays_are_refused():

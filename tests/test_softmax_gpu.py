@@ -10,7 +10,8 @@ import pytest
 
 import cukern
 from cukern import reference
-from cukern._dispatch import CLUSTER_SIZES, OPS, Variant, max_dynamic_smem
+from cukern.plan import CLUSTER_SIZES, Variant, max_dynamic_smem
+from cukern.registry import policy
 
 from .conftest import DTYPES, TOL
 
@@ -78,7 +79,7 @@ def spec():
 
 
 def smem_edge(op, dtype):
-    return max_dynamic_smem(spec()) // (ITEM[dtype] * OPS[op].inputs)
+    return max_dynamic_smem(spec()) // (ITEM[dtype] * policy(op).inputs)
 
 
 def variant_shapes(op, dtype):
@@ -115,10 +116,10 @@ def test_every_variant_at_its_edges(op, dtype, rng):
 @pytest.mark.parametrize("op", FWD + BWD)
 def test_uncached_at_short_rows(op, dtype, rng, monkeypatch):
     """The uncached kernel on ordinary rows, by making the block kernels unlaunchable."""
-    from cukern.ops import _common
+    from cukern import runner
     from cukern.ops import softmax as mod
 
-    monkeypatch.setattr(_common, "driver_occupancy", lambda dev: (lambda plan: 0))
+    monkeypatch.setattr(runner, "driver_occupancy", lambda dev: (lambda plan: 0))
     monkeypatch.setattr(mod, "_launches", {})
     for shape in [(3, 1025), (5, 4097), (2, 20000)]:
         host, dev = inputs(op, shape, dtype, rng)
@@ -325,17 +326,17 @@ def test_arrays_on_different_devices():
 def pinned_plans(op, dtype, rows, cols):
     from dataclasses import replace
 
-    from cukern import _dispatch
+    from cukern import plan as planner
 
     dev = spec()
-    pack = _dispatch.pack_size(dtype, cols, 16, False)
-    warp = _dispatch.plan_rowwise(op, rows, min(cols, 1024), dtype, dev)
+    pack = planner.pack_size(dtype, cols, 16, False)
+    warp = planner.plan_rowwise(op, rows, min(cols, 1024), dtype, dev)
     common = dict(rows=rows, cols=cols, pack_size=pack, cols_per_thread=0,
                   thread_group_width=0, rows_per_access=0, padding=False)
     plans = []
     if cols <= 1024:
-        plans.append(replace(_dispatch.plan_rowwise(op, rows, cols, dtype, dev), grid=1))
-    inputs = OPS[op].inputs
+        plans.append(replace(planner.plan_rowwise(op, rows, cols, dtype, dev), grid=1))
+    inputs = policy(op).inputs
     template = replace(warp, variant=Variant.BLOCK_SMEM, block=(128, 1), grid=2,
                        smem_bytes=cols * ITEM[dtype] * inputs, **common)
     if template.smem_bytes <= max_dynamic_smem(dev):

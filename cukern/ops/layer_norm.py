@@ -8,8 +8,9 @@ import numbers
 
 import numpy as np
 
-from .. import _dispatch
-from . import _common as c
+from .. import plan as _plan
+from .. import registry
+from .. import runner as c
 
 __all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
@@ -20,7 +21,7 @@ _launches: dict[tuple, _Launches] = {}
 # pointer alignment, eps, switches) matches an earlier, validated call that needed no copies
 # skip validation and planning. Key -> (launches, lead shape, statistics dtype, eps scalar).
 _fresh: dict[tuple, tuple] = {}
-_last: dict[str, _dispatch.Plan] = {}  # op -> the plan of its latest call (last_plan)
+_last: dict[str, _plan.Plan] = {}  # op -> the plan of its latest call (last_plan)
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 
 
@@ -212,43 +213,25 @@ def _check_stat(fn: str, name: str, s, x, expected: tuple[int, ...], dtype: str)
 def _rows_view(a, k: int):
     """(array, row_stride): ``a`` itself when its trailing k dims are one contiguous run and its
     leading dims one stride, else a contiguous copy."""
-    lay = c.trailing_layout(a, k)
-    if lay is None:
+    view = c.trailing_layout(a, k)
+    if view is None:
         a = c.cp.ascontiguousarray(a)
-        lay = c.trailing_layout(a, k)
-    return a, lay[2]
+        view = c.trailing_layout(a, k)
+    return a, view.s_outer
 
 
 class _Launches:
-    """The cached plan and launches for one (op, layout, switches) key."""
+    """The cached launches of one (op, layout, switches) key: the planned kernel, and for a
+    backward with a weight the auxiliary launches that finish dweight (and dbias)."""
 
-    __slots__ = ("main", "nacc", "prows", "reduce")
+    __slots__ = ("main", "grad", "partial", "reduce")
 
-    def __init__(self, main: c.Launch, reduce=None, prows: int = 0, nacc: int = 0):
+    def __init__(self, main: c.Launch, grad: _plan.ParamGradPlan | None = None,
+                 partial: c.AuxLaunch | None = None, reduce: c.AuxLaunch | None = None):
         self.main = main
+        self.grad = grad
+        self.partial = partial
         self.reduce = reduce
-        self.prows = prows
-        self.nacc = nacc
-
-
-def _plan(op: str, dtype: str, dev: int, rows: int, cols: int, pointers, strides,
-          extra: tuple[str, ...]) -> _dispatch.Plan:
-    align = c.align_elems(_dispatch.ITEMSIZE[dtype], pointers, strides if rows > 1 else [])
-    return _dispatch.plan_rowwise(op, rows, cols, dtype, c.device_spec(dev),
-                                  c.driver_occupancy(dev), align_elems=align, extra=extra)
-
-
-def _on_device(dev: int):
-    """A context that makes ``dev`` current (a no-op when it already is)."""
-    import contextlib
-
-    if dev == c.cp.cuda.runtime.getDevice():
-        return contextlib.nullcontext()
-    return c.cp.cuda.Device(dev)
-
-
-def _tf(flag: bool) -> str:
-    return "true" if flag else "false"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +306,7 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
     layer = op == "layer_norm"
     sdt = _stat_dtype(dtype)
     dev = xa.data.device_id
-    with _on_device(dev):
+    with c.on_device(dev):
         y = c.cp.empty(xa.shape, xa.dtype)
         h = c.cp.empty(xa.shape, xa.dtype) if r is not None else None
         mean = c.cp.empty(lead, sdt) if return_stats and layer else None
@@ -331,16 +314,14 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
         if rows and cols:
             xv, sx = _rows_view(xa, k)
             rv, sr = _rows_view(r, k) if r is not None else (None, 0)
-            extra = (_tf(w is not None), _tf(b is not None), _tf(r is not None))
-            ptrs = [a.data.ptr for a in (xv, rv, w, b, y, h) if a is not None]
-            bits = 0
-            for p in ptrs:
-                bits |= p
-            key = (op, dev, dtype, xa.shape, k, sx, sr, extra, bits & 15)
+            sw = _plan.Switches(w is not None, b is not None, r is not None)
+            arrays = (xv, rv, w, b, y, h)
+            key = (op, dev, dtype, xa.shape, k, sx, sr, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
             if launch is None:
-                plan = _plan(op, dtype, dev, rows, cols, ptrs,
-                             [sx] + ([sr] if rv is not None else []), extra)
+                plan = c.plan_for(op, dtype, dev, rows, cols,
+                                  [a.data.ptr for a in arrays if a is not None],
+                                  [sx] + ([sr] if rv is not None else []), switches=sw)
                 tail = (np.int64(rows), np.int32(cols), np.int64(sx), np.int64(sr),
                         np.int64(cols), np.int64(cols))
                 launch = _launches[key] = _Launches(c.Launch(plan, dev, tail))
@@ -387,15 +368,18 @@ def _backward(op: str, dy, x, mean, rstd, weight):
 
 def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
     _last["layer_norm_backward" if layer else "rms_norm_backward"] = launch.main.plan
+    grad = launch.grad
     partial = None
-    if launch.reduce is not None:
-        partial = c.cp.empty((launch.nacc, launch.prows, launch.main.plan.cols),
+    if grad is not None:
+        partial = c.cp.empty((grad.nacc, grad.prows, launch.main.plan.cols),
                              _stat_dtype(launch.main.plan.dtype))
-    launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx,
-                _arg(None if partial is None else partial[0]),
-                _arg(None if partial is None or not layer else partial[1]))
-    if partial is not None:
-        launch.reduce(partial, dw, _arg(db), (dyv, xv, _arg(mean), rstd))
+    p0 = _arg(None if partial is None else partial[0])
+    p1 = _arg(None if partial is None or not layer else partial[1])
+    launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
+    if launch.partial is not None:  # the main kernel keeps no column sums: from x and dy
+        launch.partial(dyv, xv, _arg(mean), rstd, p0, p1)
+    if grad is not None:
+        launch.reduce(partial, dw, _arg(db))
 
 
 def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
@@ -429,7 +413,7 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
         raise ValueError(f"{op}: the normalised dimensions {ns} have {cols} elements; at most "
                          f"{_INT32_MAX} are supported")
     dev = xa.data.device_id
-    with _on_device(dev):
+    with c.on_device(dev):
         dx = c.cp.empty(xa.shape, xa.dtype)
         dw = db = None
         if w is not None:
@@ -438,16 +422,14 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
         if rows and cols:
             xv, sx = _rows_view(xa, k)
             dyv, sdy = _rows_view(dya, k)
-            extra = (_tf(w is not None),)
-            ptrs = [a.data.ptr for a in (dyv, xv, w, dx) if a is not None]
-            bits = 0
-            for p in ptrs:
-                bits |= p
-            key = (op, dev, dtype, xa.shape, k, sx, sdy, extra, bits & 15)
+            sw = _plan.Switches(weight=w is not None)
+            arrays = (dyv, xv, w, dx)
+            key = (op, dev, dtype, xa.shape, k, sx, sdy, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
             if launch is None:
-                launch = _launches[key] = _plan_backward(op, dtype, dev, rows, cols, ptrs,
-                                                         [sx, sdy], extra)
+                launch = _launches[key] = _plan_backward(
+                    op, dtype, dev, rows, cols, [a.data.ptr for a in arrays if a is not None],
+                    [sx, sdy], sw)
             _launch_backward(launch, layer, dyv, xv, stats.get("mean"), stats["rstd"], w, dx,
                              dw, db)
             no_copies = dyv is dya and xv is xa and w is weight and \
@@ -468,72 +450,24 @@ def _wrap_opt(wrap, a):
     return None if a is None else wrap(a)
 
 
-def _aux_kernel(op: str, index: int, dtype: str, dev: int, pack: int = 1):
-    from .. import _compile
-
-    info = _dispatch.OPS[op]
-    name = info.aux_kernels[index].format(t=_dispatch.CPP_TYPES[dtype], algo=info.algo,
-                                          pack=pack)
-    return _compile.get_kernel("layer_norm", name, dev)
-
-
-class _Reduce:
-    """norm_param_grad_reduce: the partial rows of dweight (and dbias) summed into the outputs,
-    after norm_param_grad_partial has written them when the main kernel does not."""
-
-    __slots__ = ("grid", "block", "kernel", "tail", "partial")
-
-    def __init__(self, op: str, plan: _dispatch.Plan, dev: int, prows: int, nacc: int,
-                 partial=None):
-        self.kernel = _aux_kernel(op, 0, plan.dtype, dev)
-        vec, self.block, self.grid = _dispatch.param_reduce_shape(
-            plan.cols, prows, nacc, plan.dtype, c.device_spec(dev))
-        self.tail = (np.int64(prows), np.int32(plan.cols), np.int32(vec))
-        self.partial = partial
-
-    def __call__(self, partial, dw, db, args) -> None:
-        if self.partial is not None:
-            self.partial(partial, args)
-        self.kernel(self.grid, self.block, (partial, dw, db) + self.tail)
-
-
-class _Partial:
-    """norm_param_grad_partial: dweight (and dbias) partial rows straight from x and dy, for
-    the uncached backward kernel, which keeps no column sums. Block: 256 threads across
-    columns; grid y: row chunks, about two waves of blocks in all."""
-
-    THREADS = 256
-
-    __slots__ = ("grid", "kernel", "tail", "prows")
-
-    def __init__(self, op: str, plan: _dispatch.Plan, dev: int, sx: int, sdy: int):
-        self.kernel = _aux_kernel(op, 1, plan.dtype, dev, plan.pack_size)
-        tiles = -(-plan.cols // (self.THREADS * plan.pack_size))
-        spec = c.device_spec(dev)
-        waves = 2 * spec.sms * (spec.max_threads_per_sm // self.THREADS)
-        self.prows = max(1, min(plan.rows, waves // tiles))
-        self.grid = (tiles, self.prows)
-        self.tail = (np.int64(plan.rows), np.int32(plan.cols), np.int64(sdy), np.int64(sx))
-
-    def __call__(self, partial, args) -> None:
-        dy, x, mean, rstd = args
-        db = partial[1] if len(partial) > 1 else _NULL
-        self.kernel(self.grid, (self.THREADS,), (dy, x, mean, rstd, partial[0], db) + self.tail)
-
-
-def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, extra) -> _Launches:
-    plan = _plan(op, dtype, dev, rows, cols, ptrs, strides, extra)
+def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, sw) -> _Launches:
+    plan = c.plan_for(op, dtype, dev, rows, cols, ptrs, strides, switches=sw)
     sx, sdy = strides
-    tail = (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx), np.int64(cols))
-    main = c.Launch(plan, dev, tail)
-    if extra[0] != "true":
+    main = c.Launch(plan, dev, (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx),
+                                np.int64(cols)))
+    grad = _plan.plan_param_grad(plan, c.device_spec(dev))
+    if grad is None:
         return _Launches(main)
-    nacc = _dispatch.OPS[op].col_sums
-    if plan.variant is _dispatch.Variant.BLOCK_UNCACHED:
-        part = _Partial(op, plan, dev, sx, sdy)
-        return _Launches(main, _Reduce(op, plan, dev, part.prows, nacc, part), part.prows, nacc)
-    prows = plan.grid // plan.cluster
-    return _Launches(main, _Reduce(op, plan, dev, prows, nacc), prows, nacc)
+    reduce_name, partial_name = registry.get(op).aux(dtype, grad.partial.pack_size
+                                                     if grad.partial else 1)
+    source = plan.family
+    reduce = c.AuxLaunch(source, reduce_name, grad.reduce, dev,
+                         (np.int64(grad.prows), np.int32(cols), np.int32(grad.reduce.vec)))
+    partial = None
+    if grad.partial is not None:
+        partial = c.AuxLaunch(source, partial_name, grad.partial, dev,
+                              (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx)))
+    return _Launches(main, grad, partial, reduce)
 
 
 def last_plan(op: str):

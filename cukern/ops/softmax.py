@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _dispatch
-from . import _common as c
+from .. import plan as _plan
+from .. import runner as c
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]
 
@@ -148,33 +148,32 @@ def _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout) -> None:
         _launch(op, dtype, axis, arrays, o)
 
 
-def _plan_launch(op, dtype, dev, arrays, o, layouts) -> c.Launch:
-    rows, cols = layouts[0][:2]
-    strided = any(lay[2] != 1 or lay[5] != 1 for lay in layouts)
-    align = c.align_elems(arrays[0].itemsize, [a.data.ptr for a in arrays] + [o.data.ptr],
-                          [lay[3] for lay in layouts] if rows > 1 else [])
-    plan = _dispatch.plan_rowwise(op, rows, cols, dtype, c.device_spec(dev),
-                                  c.driver_occupancy(dev), align_elems=align, strided=strided)
-    return c.Launch(plan, dev, _tail(layouts))
+def _plan_launch(op, dtype, dev, arrays, o, views) -> c.Launch:
+    first = views[0]
+    strided = not all(v.contiguous_rows for v in views)
+    plan = c.plan_for(op, dtype, dev, first.rows, first.cols,
+                      [a.data.ptr for a in arrays] + [o.data.ptr], [v.s_outer for v in views],
+                      strided=strided)
+    return c.Launch(plan, dev, _tail(views))
 
 
-def _tail(layouts) -> tuple:
+def _tail(views) -> tuple:
     """The kernels' scalar arguments: rows, cols, inner, then each array's three strides."""
-    rows, cols, inner = layouts[0][:3]
-    tail = [np.int64(rows), np.int32(cols), np.int64(inner)]
-    for lay in layouts:
-        tail += [np.int64(lay[3]), np.int64(lay[4]), np.int64(lay[5])]
+    first = views[0]
+    tail = [np.int64(first.rows), np.int32(first.cols), np.int64(first.inner)]
+    for v in views:
+        tail += [np.int64(v.s_outer), np.int64(v.s_inner), np.int64(v.s_col)]
     return tuple(tail)
 
 
-def run_plan(plan: _dispatch.Plan, *arrays, axis: int = -1, out=None):
+def run_plan(plan: _plan.Plan, *arrays, axis: int = -1, out=None):
     """Launch ``plan`` as given on CuPy arrays (no planning): for tests and benchmarks that pin
     a variant. The arrays must match the plan's op, dtype, rows, cols, layout and alignment;
     that is checked only as far as rows, cols and dtype."""
     o = c.cp.empty(arrays[0].shape, arrays[0].dtype) if out is None else out
     ax = c.normalize_axis(plan.op, axis, arrays[0].ndim)
     layouts = [c.layout(a, ax) for a in (*arrays, o)]
-    if any(lay is None for lay in layouts) or layouts[0][:2] != (plan.rows, plan.cols):
+    if any(v is None for v in layouts) or layouts[0][:2] != (plan.rows, plan.cols):
         raise ValueError(f"run_plan: arrays do not match the plan's rows and cols: {plan}")
     if c.DTYPE_NAMES.get(arrays[0].dtype) != plan.dtype:
         raise TypeError(f"run_plan: dtype {arrays[0].dtype} is not the plan's {plan.dtype}")

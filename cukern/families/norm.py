@@ -1,0 +1,90 @@
+"""The norm family: layer norm and RMS norm over contiguous rows, forward
+(``kernels/layer_norm.cuh``) and backward with dweight/dbias (``kernels/layer_norm_grad.cuh``;
+two headers only to keep each readable, both on ``kernels/norm.cuh``).
+
+Kernel signatures (group width and block size are read from the launch; switches are the
+fused functors WEIGHT, BIAS, RESIDUAL of the forward and WEIGHT of the backward)::
+
+    layer_norm_warp<T, ALGO, PACK, CPT, RPA, W, B, R>
+    layer_norm_block_smem<T, ALGO, PACK, W, B, R, OVERLAP>
+    layer_norm_block_uncached<T, ALGO, PACK, W, B, R>
+    layer_norm_cluster<T, ALGO, PACK, CLUSTER, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
+    layer_norm_grad_warp<T, ALGO, PACK, CPT, RPA, W>
+    layer_norm_grad_block_smem<T, ALGO, PACK, W, REGS, GAMMA>
+    layer_norm_grad_block_uncached<T, ALGO, PACK, W>
+    layer_norm_grad_cluster<T, ALGO, PACK, CLUSTER, W, REGS, GAMMA>
+    norm_param_grad_partial<T, ALGO, PACK>, norm_param_grad_reduce<T>   (auxiliary)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ..plan import CPP_TYPES, OpPolicy, Plan, Switches, Variant
+
+__all__ = ["POLICIES", "name_expression", "aux_kernels", "min_blocks"]
+
+FORWARD, BACKWARD = "layer_norm", "layer_norm_grad"  # kernel sources
+
+
+def _tf(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def min_blocks(plan: Plan) -> int:
+    """A forward cluster kernel's ``__launch_bounds__`` minimum: 3 blocks an SM (at most 40
+    registers a thread) for blocks of at most 512 threads that do not overlap rows, else 1."""
+    return 3 if plan.threads <= 512 and not plan.overlap else 1
+
+
+def name_expression(plan: Plan) -> str:
+    pol, sw, v = plan.policy, plan.switches, plan.variant
+    args = [CPP_TYPES[plan.dtype], pol.algo, plan.pack_size]
+    if v is Variant.WARP:
+        args += [plan.cols_per_thread, plan.rows_per_access]
+    elif v is Variant.CLUSTER:
+        args.append(plan.cluster)
+    cached = v in (Variant.BLOCK_SMEM, Variant.CLUSTER)
+    if pol.col_sums:  # backward
+        args.append(_tf(sw.weight))
+        if cached:
+            args += [_tf(plan.sums_in_registers), _tf(plan.gamma_in_smem)]
+    else:
+        args += [_tf(sw.weight), _tf(sw.bias), _tf(sw.residual)]
+        if cached:
+            args.append(_tf(plan.overlap))
+        if v is Variant.CLUSTER:
+            args += [min_blocks(plan), plan.rows_per_pass]
+    return f"cukern::{pol.kernel}_{v.value}<{', '.join(map(str, args))}>"
+
+
+def aux_kernels(op: str):
+    """(dtype, pack) -> (reduce, partial): the auxiliary kernels of ``op``'s backward with
+    column sums, which add up the partial rows of dweight (and dbias), and write them straight
+    from x and dy for the uncached kernel."""
+
+    def names(dtype: str, pack: int) -> tuple[str, str]:
+        t = CPP_TYPES[dtype]
+        return (f"cukern::norm_param_grad_reduce<{t}>",
+                f"cukern::norm_param_grad_partial<{t}, {POLICIES[op].algo}, {pack}>")
+
+    return names
+
+
+_NORM = dict(strided=False, cluster_threads_per_sm=1536, rows_overlap=False, smem_align=128,
+             signature=name_expression)
+_TF = (False, True)
+_FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
+                switches=("weight", "bias", "residual"), overlap_with_residual=True,
+                split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16)
+_BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2,
+                 switches=("weight",), switch_sets=(Switches(), Switches(weight=True)))
+
+POLICIES = {
+    "layer_norm": OpPolicy(op="layer_norm", algo=0, pair_rows=True, **_FORWARD, switch_sets=tuple(
+        Switches(w, b, r) for w, b, r in itertools.product(_TF, _TF, _TF))),
+    "rms_norm": OpPolicy(op="rms_norm", algo=1, **_FORWARD, switch_sets=tuple(
+        Switches(w, False, r) for w, r in itertools.product(_TF, _TF))),
+    "layer_norm_backward": OpPolicy(op="layer_norm_backward", algo=0, col_sums=2, **_BACKWARD),
+    "rms_norm_backward": OpPolicy(op="rms_norm_backward", algo=1, col_sums=1, **_BACKWARD),
+}

@@ -1,0 +1,213 @@
+"""What every planner shares: the plan record, the switches an op's call sets, the occupancy
+question, and the small device arithmetic (waves, packs, warp shapes, resident clusters).
+
+Nothing here touches a GPU. Occupancy is a function passed in: the CUDA driver's answer for a
+compiled kernel on a live device (``cukern.runner.driver_occupancy``), or
+:meth:`DeviceSpec.model_occupancy` for a preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .._device import DeviceSpec
+from .policy import OpPolicy, Tuning, tuning_for
+
+__all__ = ["Variant", "Switches", "Plan", "Occupancy", "ITEMSIZE", "CPP_TYPES", "replace",
+           "model_occupancy", "block_threads_for", "max_dynamic_smem", "num_blocks",
+           "pack_size", "warp_shape", "resident_clusters"]
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+CPP_TYPES = {"float16": "cukern::f16", "bfloat16": "cukern::bf16", "float32": "float",
+             "float64": "double"}
+
+
+class Variant(str, enum.Enum):
+    WARP = "warp"
+    BLOCK_SMEM = "block_smem"
+    CLUSTER = "cluster"
+    BLOCK_UNCACHED = "block_uncached"
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The optional operands a call passes, each a fused functor of the kernel (norms: gamma,
+    beta, the residual added before normalising)."""
+
+    weight: bool = False
+    bias: bool = False
+    residual: bool = False
+
+    def __str__(self) -> str:
+        on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        return ", ".join(on) or "none"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One kernel launch, fully decided. Printable, comparable, hashable."""
+
+    op: str
+    variant: Variant
+    dtype: str
+    rows: int
+    cols: int
+    pack_size: int
+    cols_per_thread: int  # warp kernel only (0 otherwise)
+    thread_group_width: int  # warp kernel only (0 otherwise)
+    rows_per_access: int  # warp kernel only (0 otherwise)
+    padding: bool
+    block: tuple[int, int]
+    grid: int
+    smem_bytes: int
+    cluster: int = 1
+    strided: bool = False
+    device: str = ""
+    switches: Switches = Switches()
+    # A cached backward with column sums keeps them in registers (else in shared memory)
+    sums_in_registers: bool = False
+    # A cached backward with weight converts gamma once into shared memory
+    gamma_in_smem: bool = False
+    # A cached forward with a residual loads its next row while it writes this one
+    overlap: bool = False
+    # A forward norm cluster caches this many rows a pass, gamma and beta read once for them
+    rows_per_pass: int = 1
+    policy: OpPolicy | None = field(default=None, repr=False, compare=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1]
+
+    @property
+    def family(self) -> str:
+        """The kernel source (``kernels/<family>.cuh``) of this plan's kernel."""
+        return self.policy.source
+
+    def name_expression(self) -> str:
+        """The C++ name of the kernel instantiation this plan launches (its family's
+        signature, beside its kernels)."""
+        return self.policy.signature(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.op} {self.dtype} rows={self.rows} cols={self.cols} on {self.device}",
+            f"  variant            {self.variant.value}",
+            f"  kernel             {self.name_expression()}",
+            f"  pack_size          {self.pack_size} ({self.pack_size * ITEMSIZE[self.dtype]} "
+            f"bytes per access)",
+        ]
+        if self.variant is Variant.WARP:
+            lines += [
+                f"  thread_group_width {self.thread_group_width}",
+                f"  cols_per_thread    {self.cols_per_thread}",
+                f"  rows_per_access    {self.rows_per_access}",
+                f"  padding            {self.padding}",
+            ]
+        if self.variant is Variant.CLUSTER:
+            lines.append(f"  cluster            {self.cluster} blocks per row")
+            if self.rows_per_pass > 1:
+                lines.append(f"  rows_per_pass      {self.rows_per_pass} (gamma and beta read "
+                             "once for them)")
+        if self.overlap:
+            lines.append("  overlap            each block loads its next row as it writes one")
+        lines += [
+            f"  block              {self.block}",
+            f"  grid               {self.grid}",
+            f"  smem_bytes         {self.smem_bytes}",
+            f"  strided            {self.strided}",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# Occupancy query: (candidate plan) -> resident blocks per SM; 0 means it cannot launch. It may
+# carry ``max_clusters(plan) -> int | None``: how many clusters of a cluster plan fit the GPU at
+# once (the driver's answer; SMs x blocks per SM / cluster size when absent).
+Occupancy = Callable[[Plan], int]
+
+
+def replace(plan: Plan, **changes) -> Plan:
+    return dataclasses.replace(plan, **changes)
+
+
+def model_occupancy(device: DeviceSpec) -> Occupancy:
+    """Occupancy from the device model (threads and shared memory only)."""
+
+    def occ(plan: Plan) -> int:
+        return device.model_occupancy(plan.threads, plan.smem_bytes)
+
+    return occ
+
+
+def block_threads_for(packs: int, tuning: Tuning | None = None) -> int:
+    """The widest block (128..1024 threads) that still gives each thread ``packs_per_thread``
+    packs of a row of ``packs`` packs: wider blocks leave threads idle and make barriers
+    dearer."""
+    per = (tuning or tuning_for(None)).packs_per_thread
+    threads = 1024
+    while threads > 128 and threads * per > packs:
+        threads //= 2
+    return threads
+
+
+def max_dynamic_smem(device: DeviceSpec) -> int:
+    """Dynamic shared memory a block may ask for: the opt-in limit less the static reserve."""
+    return device.smem_per_block_optin - tuning_for(device).static_smem
+
+
+def num_blocks(device: DeviceSpec, block_threads: int, needed: int) -> int:
+    """OneFlow's GetNumBlocks: enough blocks for the work, at most ``waves`` waves of them."""
+    limit = device.sms * device.max_threads_per_sm // block_threads * tuning_for(device).waves
+    return max(1, min(needed, limit))
+
+
+def pack_size(dtype: str, cols: int, align_elems: int, strided: bool) -> int:
+    """Elements per vector access: the largest power of two up to 16 bytes that divides cols
+    and the alignment (in elements) of every pointer and row stride."""
+    if strided:
+        return 1
+    p = 16 // ITEMSIZE[dtype]
+    while p > 1 and (cols % p or align_elems % p):
+        p //= 2
+    return p
+
+
+def warp_shape(cols: int, pack: int, rows: int,
+               two_packs: bool = False) -> tuple[int, int, int, bool]:
+    """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel.
+    Small rows: the narrowest group that holds them, a pack a lane, two rows a group for an
+    even row count (OneFlow). Longer rows: 32 lanes and a power-of-two number of packs a lane
+    (the kernels guard every pack, so one instantiation serves every width up to it).
+    ``two_packs``: rows of 3..8 packs take two packs of one row a lane instead."""
+    if two_packs and 2 * pack < cols <= 8 * pack:
+        width = 1
+        while width * 2 * pack < cols:
+            width *= 2
+        return width, 2 * pack, 1, cols != 2 * pack * width
+    if cols <= 32 * pack:
+        width = 1
+        while width * pack < cols:
+            width *= 2
+        cpt = pack
+        rpa = 2 if rows % 2 == 0 else 1
+    else:
+        width = 32
+        cpt = pack
+        while 32 * cpt < cols:
+            cpt *= 2
+        rpa = 1
+    return width, cpt, rpa, cols != cpt * width
+
+
+def resident_clusters(plan: Plan, per_sm: int, device: DeviceSpec, occ: Occupancy) -> int:
+    """Clusters of ``plan`` resident at once: SMs x blocks per SM / cluster size, or fewer where
+    the driver says so (GPC sizes can leave fewer clusters room)."""
+    resident = device.sms * per_sm // plan.cluster
+    fit = getattr(occ, "max_clusters", None)
+    if fit is not None:
+        resident = min(resident, fit(plan) or resident)
+    return resident

@@ -1,0 +1,117 @@
+"""Tuning as data: one printable table of planner constants per GPU architecture, and the
+per-op policy each kernel family declares for its ops.
+
+Each constant carries, in a line, what measured it; the measurements themselves are in
+``docs/notes/`` under the rule's name. ``print(tuning_for(device))`` shows the table in force.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+__all__ = ["Tuning", "OpPolicy", "HOPPER", "AMPERE", "tuning_for"]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Planner constants for one architecture (``tuning_for`` picks one for a device)."""
+
+    arch: str
+    # OneFlow: a warp kernel lane holds at most 32 values, 32 lanes a row
+    warp_max_cols: int = 1024
+    # with column sums in registers too: past 512 columns, 76-81% of copy vs 87-93% for the
+    # block kernel (H100, norm backward)
+    warp_max_cols_with_sums: int = 512
+    # OneFlow: 128 threads a block for the warp kernel
+    warp_block_threads: int = 128
+    # block widths tried, widest first, against the 128-thread occupancy (OneFlow)
+    block_sizes: tuple[int, ...] = (1024, 512, 256)
+    uncached_block: int = 1024
+    # cluster sizes tried, smallest first; 16 is past the portable 8 (opted in per kernel)
+    cluster_sizes: tuple[int, ...] = (2, 4, 8, 16)
+    # fewest packs a thread worth a wider block: 92% of copy vs 22% for float16 softmax at
+    # 2048 columns with OneFlow's 1024 threads (H100)
+    packs_per_thread: int = 2
+    # backward cluster blocks: wider measured slower (H100, norm backward)
+    cluster_max_block: int = 512
+    # cluster blocks that may share an SM (plan_cluster rule 1), else the widest that launches
+    cluster_shared: tuple[int, ...] = (256, 512)
+    cluster_blocks: tuple[int, ...] = (1024, 512, 256)
+    # OneFlow's GetNumBlocks: at most 32 waves of resident threads
+    waves: int = 32
+    # CUDA's gridDim.x limit (the kernels loop over rows past it)
+    max_grid: int = 2**31 - 1
+    # warp kernel: one row an access on grids of at most this many waves: 95-97% vs 93-95% of
+    # copy, 16-bit softmax at 49152 rows, 32-128 columns (H100)
+    short_grid_waves: int = 4
+    # a forward with a residual overlaps its rows where OneFlow's blocks leave at most this many
+    # threads an SM: float32 layer norm 8192 columns 85 -> 95% of copy (H100)
+    overlap_resident: int = 1024
+    # a lone block of at most this many resident threads moves to a cluster of blocks sharing
+    # SMs (OpPolicy.split_lone_blocks): layer norm float16 65536 columns 88 -> 92% (H100)
+    lone_block_resident: int = 1024
+    # layer norm clusters over 16-bit rows with gamma or beta take two rows a pass from here:
+    # float16 131072 columns 89.6 -> 92.0% of copy (H100)
+    paired_min_cols: int = 131072
+    # ... on clusters of at most this many blocks: 8 blocks one row a pass beat 16 paired,
+    # 90.2-90.8 vs 89.2-90.4% at 262144 columns (H100)
+    paired_max_cluster: int = 8
+    # shared memory kept back from the opt-in limit for the kernels' static shared memory
+    static_smem: int = 2048
+    # column-sum partial rows straight from x and dy (uncached backward): block width and waves
+    partial_threads: int = 256
+    partial_waves: int = 2
+
+
+# Measured on the H100 (sm_90); every number in the comments above is from it.
+HOPPER = Tuning("sm_90")
+# Ampere has no clusters; the rest is not separately tuned (the H100 table).
+AMPERE = replace(HOPPER, arch="sm_80")
+_TABLES = {(9, 0): HOPPER, (8, 0): AMPERE}
+
+
+def tuning_for(device) -> Tuning:
+    """The table of the newest architecture at or below the device's (Hopper's for None)."""
+    if device is None:
+        return HOPPER
+    cc = tuple(device.compute_capability)
+    known = [k for k in _TABLES if k <= cc]
+    return _TABLES[max(known)] if known else AMPERE
+
+
+@dataclass(frozen=True)
+class OpPolicy:
+    """How one op maps onto its family's kernels, and the planning rules that are its own.
+    Declared by the family (``cukern/families/``); read by the planner."""
+
+    op: str
+    source: str  # kernels/<source>.cuh
+    kernel: str  # kernel name prefix there
+    algo: int  # the kernels' ALGO template argument
+    inputs: int  # row-sized inputs a cached kernel keeps on chip
+    switches: tuple[str, ...] = ()  # the Switches fields the op accepts
+    strided: bool = True  # has kernels for rows with strided columns
+    # a backward that also sums over rows (dweight, dbias) with a weight: sums per column
+    col_sums: int = 0
+    # plan_cluster rule 1: resident threads an SM worth a larger cluster (norms make three
+    # passes over their slice: 1536)
+    cluster_threads_per_sm: int = 512
+    # a block overlaps its rows itself, so clusters run in one wave looping over rows
+    rows_overlap: bool = True
+    # bytes a cached kernel adds to start its rows on a 128-byte boundary
+    smem_align: int = 0
+    # with a residual, cached kernels may overlap their rows (Plan.overlap)
+    overlap_with_residual: bool = False
+    # a lone block on its SM moves to a cluster of blocks sharing SMs (Tuning.lone_block_resident)
+    split_lone_blocks: bool = False
+    # warp rows of 3..8 full 16-byte packs: two packs of one row a lane (without a residual)
+    two_packs_a_lane: bool = False
+    # clusters over 16-bit rows with gamma or beta may cache two rows a pass
+    pair_rows: bool = False
+    # cluster plans of this many blocks or more run in one wave looping over rows (0: never)
+    one_wave_cluster: int = 0
+    # the family's signature: plan -> C++ name expression
+    signature: Callable = field(default=None, repr=False, compare=False)
+    # switch combinations this op's kernels were built for: the default first
+    switch_sets: tuple = ()

@@ -1,0 +1,286 @@
+"""The row-wise cascade: (op, rows, cols, dtype, device, occupancy) -> Plan.
+
+OneFlow's three variants (DESIGN.md section 2: warp, block with shared memory, block
+uncached) with its thresholds, plus thread-block clusters for rows past one block's shared
+memory. cukern's departures, each with its numbers in ``docs/notes/``: up to 16-byte packs;
+rows cached in their storage type with the full opt-in shared memory; clusters (plan_cluster);
+the warp kernel's short grids and grids without a cap of waves; a block width that keeps
+``packs_per_thread`` packs a thread; overlapping rows with a residual (plan_overlap). A
+backward that also sums over rows goes to ``col_sums.plan_col_sums``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .._device import DeviceSpec
+from . import col_sums
+from .common import (
+    ITEMSIZE,
+    Occupancy,
+    Plan,
+    Switches,
+    Variant,
+    block_threads_for,
+    max_dynamic_smem,
+    model_occupancy,
+    num_blocks,
+    pack_size,
+    replace,
+    resident_clusters,
+    warp_shape,
+)
+from .policy import OpPolicy, Tuning, tuning_for
+
+__all__ = ["plan_rowwise", "reachable_plans"]
+
+NO_WARP = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
+
+
+def _policy(op) -> OpPolicy:
+    if isinstance(op, OpPolicy):
+        return op
+    from ..registry import policy  # the families declare the policies
+
+    return policy(op)
+
+
+def _two_packs(pol: OpPolicy, sw: Switches, pack_bytes: int) -> bool:
+    """Warp rows of 3..8 packs two packs a lane: full 16-byte packs, no residual."""
+    return pol.two_packs_a_lane and pack_bytes == 16 and not sw.residual
+
+
+def _may_pair(pol: OpPolicy, sw: Switches, dtype: str) -> bool:
+    """Clusters two rows a pass: 16-bit rows with gamma or beta and no residual."""
+    return pol.pair_rows and ITEMSIZE[dtype] == 2 and not sw.residual and (sw.weight or sw.bias)
+
+
+def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
+                 occupancy: Occupancy | None = None, *, align_elems: int = 16,
+                 strided: bool = False, switches: Switches | None = None) -> Plan:
+    """Choose the kernel for a row-wise op over a (rows, cols) view.
+
+    ``align_elems``: the largest power of two (in elements, up to 16) dividing every pointer's
+    address and every row stride; ``strided``: rows or columns are not contiguous, so every
+    access is a single element. ``occupancy`` defaults to the device model. ``switches``: the
+    optional operands the call passes (None: none).
+    """
+    pol = _policy(op)
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"plan: unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE)}")
+    if rows < 1 or cols < 1:
+        raise ValueError(f"plan: rows and cols must be positive, got rows={rows}, cols={cols}")
+    sw = Switches() if switches is None else switches
+    if sw not in pol.switch_sets:
+        raise ValueError(f"plan: {pol.op} takes switches from {[str(s) for s in pol.switch_sets]}"
+                         f", got {sw}")
+    if strided and not pol.strided:
+        raise ValueError(f"plan: {pol.op} has no strided kernels; rows must have contiguous "
+                         f"columns")
+    occ = occupancy or model_occupancy(device)
+    tune = tuning_for(device)
+    item = ITEMSIZE[dtype]
+    pack = pack_size(dtype, cols, align_elems, strided)
+    base = dict(op=pol.op, dtype=dtype, rows=rows, cols=cols, pack_size=pack, strided=strided,
+                device=device.name, switches=sw, policy=pol)
+    # dweight/dbias: kept on chip beside a cached row, one wave of blocks, each a partial row
+    sums = pol.col_sums if sw.weight else 0
+
+    if cols <= (tune.warp_max_cols_with_sums if sums else tune.warp_max_cols):
+        return _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune)
+    if sums:
+        plan = col_sums.plan_col_sums(base, NO_WARP, device, occ)
+        return plan if plan is not None else _uncached(base, sums, device, rows)
+
+    smem_per_col = item * pol.inputs
+    overlap = pol.overlap_with_residual and sw.residual
+    paired = rows >= 2 and cols >= tune.paired_min_cols and _may_pair(pol, sw, dtype)
+    smem = cols * smem_per_col + pol.smem_align
+    candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
+                     **NO_WARP, **base)
+    occ128 = occ(candidate) if smem <= max_dynamic_smem(device) else 0
+    if occ128 > 0:
+        block = 128
+        widest = block_threads_for(cols // pack, tune)
+        for threads in tune.block_sizes:
+            if threads <= widest and occ(replace(candidate, block=(threads, 1))) == occ128:
+                block = threads
+                break
+        plan = replace(candidate, block=(block, 1), notes=(
+            f"row cached in shared memory as {dtype} ({smem} bytes per block)",))
+        if overlap:
+            return plan_overlap(plan, occ128, widest, device, occ, rows)
+        if pol.split_lone_blocks and device.has_clusters and not strided and \
+                occ128 * plan.threads <= tune.lone_block_resident:
+            shared = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows,
+                                  shared_only=True, paired=paired)
+            if shared is not None:
+                return replace(shared, notes=shared.notes + (
+                    f"one block of {plan.threads} threads would be alone on its SM",))
+        return replace(plan, grid=num_blocks(device, plan.threads, rows))
+
+    if device.has_clusters and not strided:
+        plan = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows, overlap,
+                            paired=paired)
+        if plan is not None:
+            return plan
+    return _uncached(base, sums, device, rows)
+
+
+def _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune: Tuning) -> Plan:
+    width, cpt, rpa, padding = warp_shape(cols, pack, rows,
+                                          two_packs=_two_packs(pol, base["switches"], pack * item))
+    block = (width, tune.warp_block_threads // width)
+    resident = device.sms * (device.max_threads_per_sm // tune.warp_block_threads)
+    if rpa == 2 and -(-rows // block[1]) <= tune.short_grid_waves * resident:
+        rpa = 1  # a short grid: each thread's chain of loads, shuffles and stores is the time
+    plan = Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
+                rows_per_access=rpa, padding=padding, block=block, grid=1, smem_bytes=0, **base)
+    groups = -(-rows // rpa)
+    needed = -(-groups // block[1])
+    if sums:  # one wave of resident blocks, each writing a partial row of the sums
+        return replace(plan, grid=max(1, min(needed, device.sms * max(1, occ(plan)))))
+    # every group of rows its own block, no cap of waves (100.2 vs 99.7% of copy, H100)
+    return replace(plan, grid=min(needed, tune.max_grid))
+
+
+def plan_overlap(plan: Plan, per_sm: int, widest: int, device: DeviceSpec, occ: Occupancy,
+                 rows: int) -> Plan:
+    """A block kernel that may overlap its rows (Plan.overlap) does so where ``plan``
+    (OneFlow's blocks, ``per_sm`` resident an SM) leaves at most ``overlap_resident`` threads
+    on an SM: then the widest block the row allows that launches; a block alone on its SM
+    loops over rows in one wave. Numbers: docs/notes/layer-norm-forward.md."""
+    tune = tuning_for(device)
+    if per_sm * plan.threads > tune.overlap_resident:
+        return replace(plan, grid=num_blocks(device, plan.threads, rows))
+    for threads in tune.block_sizes + (128,):
+        ov = replace(plan, block=(threads, 1), overlap=True)
+        n = occ(ov) if threads <= widest else 0
+        if n > 0:
+            break
+    else:
+        return replace(plan, grid=num_blocks(device, plan.threads, rows))
+    if n == 1:
+        grid, note = device.sms, "one wave of blocks, each overlapping its rows"
+    else:
+        grid = num_blocks(device, ov.threads, rows)
+        note = f"blocks overlapping their rows, {n} resident per SM"
+    return replace(ov, grid=max(1, min(rows, grid)), notes=ov.notes + (note,))
+
+
+def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: DeviceSpec,
+                 occ: Occupancy, rows: int, overlap: bool = False, shared_only: bool = False,
+                 paired: bool = False, rows_per_pass: int = 1) -> Plan | None:
+    """A row too long for one block's shared memory, split over a thread-block cluster: each
+    block caches a slice and the reductions meet in distributed shared memory.
+
+    1. the smallest cluster and narrowest block (``cluster_shared``) that keep two or more
+       blocks and the op's ``cluster_threads_per_sm`` threads resident on an SM;
+    2. else the smallest cluster that fits, with the widest block that launches.
+
+    Grid: one wave of resident clusters looping over rows where blocks overlap rows (the op's
+    ``rows_overlap``, or ``overlap``), one block fits an SM, two rows a pass, or the cluster
+    has ``one_wave_cluster`` blocks or more; else OneFlow's waves. ``shared_only``: rule 1 or
+    None. ``paired``: first rule 1 with two rows a pass (``rows_per_pass``), on clusters of at
+    most ``paired_max_cluster``. Numbers: docs/notes/ (plan_cluster).
+    """
+    tune = tuning_for(device)
+    if paired:
+        plan = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows,
+                            shared_only=True, rows_per_pass=2)
+        if plan is not None:
+            return plan
+    pol = base["policy"]
+    fits = []
+    sizes = [n for n in tune.cluster_sizes if rows_per_pass == 1 or n <= tune.paired_max_cluster]
+    for size in sizes:
+        slice_packs = -(-(cols // pack) // size)
+        smem = rows_per_pass * slice_packs * pack * smem_per_col + pol.smem_align
+        if smem <= max_dynamic_smem(device):
+            fits.append((size, smem))
+
+    def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
+        plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
+                    cluster=size, overlap=overlap, rows_per_pass=rows_per_pass, **NO_WARP,
+                    **base)
+        return plan, occ(plan)
+
+    shared = (cluster(s, m, t) for s, m in fits for t in tune.cluster_shared)
+    choice = next(((p, n) for p, n in shared
+                   if n >= 2 and n * p.threads >= pol.cluster_threads_per_sm), None)
+    if choice is None and shared_only:
+        return None
+    if choice is None:
+        alone = (cluster(s, m, t) for s, m in fits for t in tune.cluster_blocks)
+        choice = next(((p, n) for p, n in alone if n > 0), None)
+    if choice is None:
+        return None
+    plan, per_sm = choice
+    size = plan.cluster
+    resident = resident_clusters(plan, per_sm, device, occ)
+    one_wave = rows_per_pass > 1 or 0 < pol.one_wave_cluster <= size
+    if pol.rows_overlap or overlap or per_sm == 1 or one_wave:
+        clusters, grid_note = resident, f"one wave of {resident} clusters"
+    else:
+        clusters, grid_note = resident * tune.waves, f"up to {tune.waves} waves of {resident} " \
+                                                     f"clusters"
+    notes = (f"row split over a cluster of {size} blocks, {plan.smem_bytes} bytes of shared "
+             f"memory each, {per_sm} resident per SM; {grid_note}",)
+    if rows_per_pass > 1:
+        notes += (f"{rows_per_pass} rows a pass, each block's gamma and beta read once for them",)
+    passes = -(-rows // rows_per_pass)
+    return replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
+
+
+def _uncached(base: dict, sums: int, device: DeviceSpec, rows: int) -> Plan:
+    notes = ("row too long to keep on chip: read twice from memory",)
+    if sums:
+        notes += ("column sums by a separate pass over x and dy (norm_param_grad_partial)",)
+    tune = tuning_for(device)
+    plan = Plan(variant=Variant.BLOCK_UNCACHED, block=(tune.uncached_block, 1), grid=1,
+                smem_bytes=0, notes=notes, **NO_WARP, **base)
+    return replace(plan, grid=num_blocks(device, plan.threads, rows))
+
+
+def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
+    """Every kernel instantiation the planner can produce for ``op`` and ``dtype`` on a device
+    of this architecture, whatever the shape, alignment or occupancy: the name expressions of
+    the shapes the rules above (and ``col_sums``) can reach, from the same tables."""
+    pol = _policy(op)
+    tune = tuning_for(device)
+    item = ITEMSIZE[dtype]
+    packs = sorted({pack_size(dtype, c, 16, False) for c in (1, 2, 4, 8, 16)})
+    layouts = [(p, False) for p in packs] + ([(1, True)] if pol.strided else [])
+    names: set[str] = set()
+    for (pack, strided), sw in itertools.product(layouts, pol.switch_sets):
+        base = dict(op=pol.op, dtype=dtype, rows=1, cols=1, pack_size=pack, strided=strided,
+                    device=device.name, grid=1, switches=sw, policy=pol)
+
+        def add(variant: Variant, threads: int, **kw) -> None:
+            shape = {} if variant is Variant.WARP else NO_WARP
+            names.add(Plan(variant=variant, block=(threads, 1), smem_bytes=0, **shape, **kw,
+                           **base).name_expression())
+
+        for cols, rows in itertools.product(range(pack, tune.warp_max_cols + 1, pack), (1, 2)):
+            width, cpt, rpa, padding = warp_shape(cols, pack, rows,
+                                                  two_packs=_two_packs(pol, sw, pack * item))
+            add(Variant.WARP, width, cols_per_thread=cpt, thread_group_width=width,
+                rows_per_access=rpa, padding=padding)
+        sums = pol.col_sums if sw.weight else 0
+        overlaps = (False, True) if pol.overlap_with_residual and sw.residual else (False,)
+        for threads, o in itertools.product((128,) + tune.block_sizes, overlaps):
+            if not sums:
+                add(Variant.BLOCK_SMEM, threads, overlap=o)
+        add(Variant.BLOCK_UNCACHED, tune.uncached_block)
+        if sums:
+            for shape in col_sums.reachable_shapes(dtype, device, strided):
+                add(shape.pop("variant"), shape.pop("threads"), **shape)
+        elif device.has_clusters and not strided:
+            for size, threads in itertools.product(
+                    tune.cluster_sizes, {*tune.cluster_shared, *tune.cluster_blocks}):
+                add(Variant.CLUSTER, threads, cluster=size, overlap=overlaps[-1])
+            if _may_pair(pol, sw, dtype):
+                for size, threads in itertools.product(tune.cluster_sizes, tune.cluster_shared):
+                    if size <= tune.paired_max_cluster:
+                        add(Variant.CLUSTER, threads, cluster=size, rows_per_pass=2)
+    return names
