@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from . import registry
+from ._io import np_dtype
+
 __all__ = ["sweep", "plot", "time_gpu", "time_wall", "host_overhead_us", "OPS", "default_cols"]
 
-OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
-# Arrays read and written by each op, in units of the input array.
-_TRAFFIC = {"softmax": (1, 1), "log_softmax": (1, 1), "softmax_backward": (2, 1),
-            "log_softmax_backward": (2, 1)}
+# The ops sweep() times: the softmax family (the norms have their own benchmark).
+OPS = tuple(name for name, spec in registry.OPS.items() if spec.family == "softmax")
 ROTATE_BYTES = 256 * 2**20  # > 4x the H100's 50 MB L2
 
 
@@ -104,17 +105,14 @@ def _sets(nbytes: int) -> int:
 def _make_inputs(op: str, rows: int, cols: int, dtype, n_sets: int):
     import cupy as cp
 
-    import cukern
-
+    forward = registry.get(op).forward
     xs, dys = [], []
     for _ in range(n_sets):
         x = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
-        if op == "softmax_backward":
-            x = cukern.softmax(x)
-        elif op == "log_softmax_backward":
-            x = cukern.log_softmax(x)
+        if forward:  # a backward's y is its forward's output
+            x = registry.get(forward).fn(x)
         xs.append(x)
-        if op.endswith("backward"):
+        if forward:
             dys.append(cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype))
     return xs, dys
 
@@ -130,11 +128,10 @@ def _peer_fns(op: str, peer: str, xs, dys):
     if peer == "cukern":
         import cupy as cp
 
-        import cukern
-
-        f = getattr(cukern, op)
+        spec = registry.get(op)
+        f = spec.fn
         outs = [cp.empty_like(x) for x in xs]
-        if op.endswith("backward"):
+        if spec.forward:
             return stream(lambda i: f(xs[i], dys[i], out=outs[i]))
         return stream(lambda i: f(xs[i], out=outs[i]))
     if peer == "torch":
@@ -237,21 +234,21 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
     from ._explain import dtype_name
 
     rows_fn = rows_fn or (lambda c: max(1, 2**27 // c))
-    reads, writes = _TRAFFIC[op]
+    reads, writes = registry.get(op).traffic
     results: list[dict] = []
     copy_cache: dict[int, float] = {}
     peers = ("cukern", *vs)
     warm_up()
     for dt in dtypes:
         name = dtype_name(dt)
-        np_dtype = np.dtype(_np_dtype(name))
+        dtype = np_dtype(name)
         for cols in cols_list:
             rows = rows_fn(cols)
-            array_bytes = rows * cols * np_dtype.itemsize
+            array_bytes = rows * cols * dtype.itemsize
             moved = (reads + writes) * array_bytes
             rounds = SMALL_ROUNDS if array_bytes <= SMALL_BYTES else 1
             n_sets = _sets((reads + writes) * array_bytes)
-            xs, dys = _make_inputs(op, rows, cols, np_dtype, n_sets)
+            xs, dys = _make_inputs(op, rows, cols, dtype, n_sets)
             best: dict[str, float] = {}
             errors: dict[str, str] = {}
             made: dict = {}
@@ -318,22 +315,14 @@ def rebase_to_best_copy(results: list[dict]) -> list[dict]:
     return results
 
 
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        from ml_dtypes import bfloat16
-
-        return bfloat16
-    return np.dtype(name)
-
-
 def warm_kernels(ops, dtypes, spec) -> None:
     """Compile every kernel ``ops`` can launch for ``dtypes`` on ``spec``'s device, in parallel,
     before anything is timed; prints how long it took and any failure."""
-    from . import _compile, _dispatch
+    from . import _compile
 
     t0 = time.time()
-    names = {(_dispatch.OPS[op].family, n) for op in ops for dt in dtypes
-             for n in _dispatch.reachable_plans(op, dt, spec)}
+    names = {(source, n) for source, ns in registry.kernel_names(ops, dtypes, spec).items()
+             for n in ns}
     errors = _compile.warm_cache(sorted(names), spec.device_id)
     print(f"compiled {len(names)} kernels in {time.time() - t0:.0f} s, {len(errors)} errors",
           flush=True)

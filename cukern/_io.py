@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["InputError", "RunError", "open_array", "float_dtype", "Outputs", "check_outputs"]
+__all__ = ["InputError", "RunError", "open_array", "float_dtype", "np_dtype", "Outputs",
+           "check_outputs"]
 
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
@@ -37,10 +38,13 @@ class RunError(Exception):
     """The machine cannot do it: no GPU, no disk space, out of memory (exit status 1)."""
 
 
-def _bf16():
-    from ml_dtypes import bfloat16
+def np_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a cukern dtype name (``"bfloat16"`` is ``ml_dtypes.bfloat16``)."""
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
 
-    return np.dtype(bfloat16)
+        return np.dtype(bfloat16)
+    return np.dtype(name)
 
 
 def float_dtype(dtype: np.dtype, what: str) -> np.dtype:
@@ -50,10 +54,10 @@ def float_dtype(dtype: np.dtype, what: str) -> np.dtype:
     if dtype.hasobject:
         raise InputError(f"{what} holds Python objects (dtype object); expected {FLOAT_NAMES}")
     if dtype.kind == "V" and dtype.names is None and dtype.itemsize == 2 and not dtype.shape:
-        return _bf16()
+        return np_dtype("bfloat16")
     if dtype.kind == "f" and dtype.itemsize in (2, 4, 8):
         return dtype.newbyteorder("=")
-    if dtype == _bf16():
+    if dtype == np_dtype("bfloat16"):
         return dtype
     raise InputError(f"{what} has dtype {dtype}; expected {FLOAT_NAMES}")
 

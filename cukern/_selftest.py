@@ -1,57 +1,30 @@
-"""``cukern selftest``: every op, kernel variant and dtype on random data against the float64
-NumPy references, plus the command line's chunked pipeline against a single-shot run.
+"""``cukern selftest``: every op of :mod:`cukern.registry`, kernel variant and dtype on random
+data against the float64 NumPy references (on the CPU: the references themselves).
 
 :func:`run` yields one row per check (a dict: op, variant, dtype, shape, error, tol, ok, note),
-so the command can print them as they complete.
+so the command can print them as they complete; the command adds its own file pipeline checks
+(:mod:`cukern.cli.checks`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import tempfile
-from pathlib import Path
-
 import numpy as np
 
-from . import reference
-from ._dispatch import CLUSTER_SIZES, ITEMSIZE, OPS, max_dynamic_smem
+from . import reference, registry
+from ._io import np_dtype
+from .plan import CLUSTER_SIZES, ITEMSIZE, max_dynamic_smem
 
-__all__ = ["TOL", "run"]
+__all__ = ["TOL", "rel_error", "run"]
 
 # Relative error ||out - ref|| / ||ref|| allowed per dtype (the tests use the same table).
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-12}
 STAT_TOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
 
-SOFTMAX_OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
-NORM_OPS = ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")
-_FORWARD = {"softmax_backward": "softmax", "log_softmax_backward": "log_softmax",
-            "layer_norm_backward": "layer_norm", "rms_norm_backward": "rms_norm"}
-_EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
+_EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # the norms' default eps
 
 
-def available_ops(device) -> list[str]:
-    """The ops present in this cukern (the norms land separately from softmax)."""
-    import cukern
-
-    ops = list(SOFTMAX_OPS)
-    for op in NORM_OPS:
-        fwd = _FORWARD.get(op, op)
-        have_ref = hasattr(reference, op) and hasattr(reference, fwd)
-        if have_ref and (device == "cpu" or hasattr(cukern, op)):
-            ops.append(op)
-    return ops
-
-
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        from ml_dtypes import bfloat16
-
-        return np.dtype(bfloat16)
-    return np.dtype(name)
-
-
-def _rel(out, ref) -> float:
+def rel_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (the absolute error when ref is all zeros)."""
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     denom = np.linalg.norm(ref)
@@ -61,28 +34,24 @@ def _rel(out, ref) -> float:
 def run(device, dtypes, seed: int = 0):
     """Yield one result row per check; ``device`` is a CUDA device id or ``"cpu"``."""
     if device == "cpu":
-        yield from _cpu_checks(dtypes, seed)
+        yield from _gradient_checks(seed)
+        yield from _property_checks(seed)
     else:
         yield from _gpu_checks(device, dtypes, seed)
-        yield from _pipeline_checks(device, dtypes, seed)
 
 
 # ------------------------------------------------------------------------------------------
 # GPU: kernels against the references
 
 
-def _inputs_per_row(op: str) -> int:
-    info = OPS.get(op)
-    return info.inputs if info else (2 if op.endswith("_backward") else 1)
-
-
 def shapes(op: str, dtype: str, spec) -> list[tuple[str, tuple[int, ...], int]]:
     """(intended variant, shape, axis) for each kernel variant of ``op`` on this device."""
-    cap = max_dynamic_smem(spec) // (ITEMSIZE[dtype] * _inputs_per_row(op))
+    spec_op = registry.get(op)
+    cap = max_dynamic_smem(spec) // (ITEMSIZE[dtype] * len(spec_op.inputs))
     out = [("warp", (257, 33), -1), ("warp", (256, 1024), -1), ("block_smem", (64, 3000), -1),
            ("cluster", (4, -(-(cap + 100) // 8) * 8), -1),
            ("block_uncached", (2, -(-(CLUSTER_SIZES[-1] * cap + 100) // 8) * 8), -1)]
-    if op in SOFTMAX_OPS:
+    if spec_op.family == "softmax":
         out.append(("strided", (1000, 63), 0))
     return out
 
@@ -126,7 +95,7 @@ def _gpu_checks(device, dtypes, seed):
 
     spec = DeviceSpec.from_device(device)
     rng = np.random.default_rng(seed)
-    ops = available_ops(device)
+    ops = registry.names()
     _warm(device, spec, ops, dtypes)
     with cp.cuda.Device(device):
         for op in ops:
@@ -150,39 +119,39 @@ def _gpu_checks(device, dtypes, seed):
 
 def _data(rng, op, shape, dtype, axis):
     """Inputs (cast to ``dtype``) for op, as a dict of NumPy arrays, and the op's arguments."""
-    dt = _np_dtype(dtype)
+    dt = np_dtype(dtype)
+    op_spec = registry.get(op)
     x = (rng.standard_normal(shape) * 2).astype(dt)
-    if op in SOFTMAX_OPS:
-        if op.endswith("_backward"):
-            y = getattr(reference, _FORWARD[op])(x, axis=axis).astype(dt)
+    if op_spec.family == "softmax":
+        if op_spec.forward:
+            y = registry.get(op_spec.forward).reference(x, axis=axis).astype(dt)
             dy = rng.standard_normal(shape).astype(dt)
             return [y, dy], {"axis": axis}
         return [x], {"axis": axis}
     cols = shape[-1]
     w = (1 + 0.1 * rng.standard_normal(cols)).astype(dt)
     b = (0.1 * rng.standard_normal(cols)).astype(dt)
-    fwd = _FORWARD.get(op, op)
+    fwd = op_spec.forward or op
     eps = _EPS[fwd]
     fargs = [x, (cols,), w, b, eps] if fwd == "layer_norm" else [x, (cols,), w, eps]
-    if not op.endswith("_backward"):
+    if not op_spec.forward:
         return fargs, {}
     stats = [s.astype(np.float64 if dtype == "float64" else np.float32)
-             for s in getattr(reference, fwd)(*fargs)[1:]]
+             for s in registry.get(fwd).reference(*fargs)[1:]]
     dy = rng.standard_normal(shape).astype(dt)
     return [dy, x, *stats, w], {}
 
 
 def _gpu_error(cp, op, dtype, shape, axis, rng) -> float:
     """The worst output's error, scaled so that TOL[dtype] is the bound for every output."""
-    import cukern
-
+    op_spec = registry.get(op)
     args, kw = _data(rng, op, shape, dtype, axis)
-    ref = getattr(reference, op)(*args, **kw)
+    ref = op_spec.reference(*args, **kw)
     dargs = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-    out = getattr(cukern, op)(*dargs, **kw)
+    out = op_spec.fn(*dargs, **kw)
     refs = ref if isinstance(ref, tuple) else (ref,)
     outs = out if isinstance(out, tuple) else (out,)
-    stats_from = 1 if op in ("layer_norm", "rms_norm") else len(outs)
+    stats_from = 1 if op_spec.family == "norm" and not op_spec.forward else len(outs)
     ratios = []
     for k, (o, r) in enumerate(zip(outs, refs)):
         if o is None or r is None:
@@ -196,114 +165,42 @@ def _gpu_error(cp, op, dtype, shape, axis, rng) -> float:
             continue
         # An output can be no closer than the reference rounded to its dtype (float16 rows of
         # 10^6 columns are subnormal): allow twice that when it exceeds the tolerance.
-        floor = _rel(np.asarray(r).astype(got.dtype), r)
-        ratios.append(_rel(got, r) * TOL[dtype] / max(TOL[dtype], 2 * floor))
+        floor = rel_error(np.asarray(r).astype(got.dtype), r)
+        ratios.append(rel_error(got, r) * TOL[dtype] / max(TOL[dtype], 2 * floor))
     return max(ratios)
-
-
-# ------------------------------------------------------------------------------------------
-# The command line's pipeline: chunked against single-shot, through the real commands
-
-
-def _cli(args: list[str]) -> None:
-    from .cli import app
-
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        app.main(args=args, prog_name="cukern", standalone_mode=False)
-
-
-def _pipeline_cases(ops):
-    """(label, command builder) for each op command the CLI has for the ops present."""
-    cases = [("softmax", lambda d: ["softmax", d["x"]]),
-             ("log_softmax", lambda d: ["softmax", d["x"], "--log"]),
-             ("softmax_backward", lambda d: ["softmax", d["y"], "--grad", d["dy"]]),
-             ("softmax axis 0", lambda d: ["softmax", d["x"], "--axis", "0"])]
-    if "layer_norm" in ops:
-        cases.append(("layer_norm", lambda d: ["layer-norm", d["x"], "--weight", d["w"],
-                                               "--bias", d["b"]]))
-    if "layer_norm_backward" in ops:
-        cases.append(("layer_norm_backward", lambda d: ["layer-norm", d["x"], "--grad", d["dy"],
-                                                        "--weight", d["w"]]))
-    if "rms_norm" in ops:
-        cases.append(("rms_norm", lambda d: ["rms-norm", d["x"], "--weight", d["w"]]))
-    if "rms_norm_backward" in ops:
-        cases.append(("rms_norm_backward", lambda d: ["rms-norm", d["x"], "--grad", d["dy"],
-                                                      "--weight", d["w"]]))
-    return cases
-
-
-def _pipeline_checks(device, dtypes, seed):
-    """Each op command with --chunk-rows 7 gives the same file, bit for bit, as in one piece."""
-    rng = np.random.default_rng(seed + 1)
-    dev = "cpu" if device == "cpu" else f"gpu:{device}"
-    ops = available_ops(device)
-    shape = (61, 1500)
-    with tempfile.TemporaryDirectory(prefix="cukern-selftest-") as tmp:
-        for dtype in dtypes:
-            dt = _np_dtype(dtype)
-            files = {}
-            for name, arr in (("x", rng.standard_normal(shape) * 2),
-                              ("y", reference.softmax(rng.standard_normal(shape))),
-                              ("dy", rng.standard_normal(shape)),
-                              ("w", 1 + 0.1 * rng.standard_normal(shape[-1])),
-                              ("b", 0.1 * rng.standard_normal(shape[-1]))):
-                files[name] = str(Path(tmp) / f"{name}-{dtype}.npy")
-                np.save(files[name], arr.astype(dt))
-            for label, build in _pipeline_cases(ops):
-                row = dict(op=label, variant="cli chunked", dtype=dtype,
-                           shape="x".join(map(str, shape)), tol=0.0)
-                try:
-                    one, many = (str(Path(tmp) / f"{k}.npy") for k in ("one", "many"))
-                    base = build(files) + ["--device", dev, "-q", "--overwrite"]
-                    _cli(base + ["-o", one])
-                    _cli(base + ["-o", many, "--chunk-rows", "7"])
-                    a, b = np.load(one), np.load(many)
-                    same = a.shape == b.shape and a.tobytes() == b.tobytes()
-                    row["error"] = 0.0 if same else _rel(b.view(dt), a.view(dt))
-                    row["ok"] = same
-                    if not same:
-                        row["note"] = "chunked output differs from single-shot"
-                except Exception as err:
-                    row.update(ok=False, note=f"{type(err).__name__}: {err}")
-                yield row
 
 
 # ------------------------------------------------------------------------------------------
 # CPU: the reference path
 
 
-def _cpu_checks(dtypes, seed):
-    yield from _gradient_checks(seed)
-    yield from _property_checks(seed)
-    yield from _pipeline_checks("cpu", dtypes, seed)
-
-
 def _gradient_checks(seed):
     """Each backward reference against central differences of its forward (float64)."""
     rng = np.random.default_rng(seed)
     shape = (5, 17)
-    for op in available_ops("cpu"):
-        if not op.endswith("_backward"):
+    for op_spec in registry.OPS.values():
+        if not op_spec.forward:
             continue
-        fwd = getattr(reference, _FORWARD[op])
+        op = op_spec.name
+        fwd = registry.get(op_spec.forward).reference
         x = rng.standard_normal(shape)
         dy = rng.standard_normal(shape)
         v = rng.standard_normal(shape)
         h = 1e-6
         row = dict(op=op, variant="reference vs finite diff", dtype="float64",
                    shape="x".join(map(str, shape)), tol=1e-6)
-        if op.startswith(("softmax", "log_softmax")):
+        if op_spec.family == "softmax":
             def loss(z):
                 return float(np.sum(dy * fwd(z)))
             y = fwd(x)
-            dx = getattr(reference, op)(y, dy)
+            dx = op_spec.reference(y, dy)
             checks = [(dx, v, lambda t: x + t * v)]
         else:
             cols = shape[-1]
             w = 1 + 0.1 * rng.standard_normal(cols)
             b = 0.1 * rng.standard_normal(cols)
-            layer = op.startswith("layer")
-            eps = _EPS[_FORWARD[op]]
+            layer = op_spec.forward == "layer_norm"
+            eps = _EPS[op_spec.forward]
 
             def run_fwd(z, ww, bb=b):
                 return fwd(z, (cols,), ww, bb, eps) if layer else fwd(z, (cols,), ww, eps)
@@ -313,7 +210,7 @@ def _gradient_checks(seed):
                 return float(np.sum(dy * run_fwd(z, ww)[0]))
 
             stats = run_fwd(x, w)[1:]
-            grads = getattr(reference, op)(dy, x, *stats, w)
+            grads = op_spec.reference(dy, x, *stats, w)
             vw = rng.standard_normal(cols)
             checks = [(grads[0], v, lambda t: (x + t * v, w)),
                       (grads[1], vw, lambda t: (x, w + t * vw))]
@@ -332,21 +229,21 @@ def _property_checks(seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((9, 31)) * 5
     cols = x.shape[-1]
+
+    def layer():
+        y = reference.layer_norm(x, (cols,), None, None, 0.0)[0]
+        return max(np.abs(y.mean(-1)).max(), np.abs(y.var(-1) - 1).max())
+
+    def rms():
+        y = reference.rms_norm(x, (cols,), None, 0.0)[0]
+        return np.abs((y * y).mean(-1) - 1).max()
+
     checks = {
         "softmax": lambda: np.abs(reference.softmax(x).sum(-1) - 1).max(),
         "log_softmax": lambda: np.abs(np.log(np.exp(reference.log_softmax(x)).sum(-1))).max(),
+        "layer_norm": layer,
+        "rms_norm": rms,
     }
-    ops = available_ops("cpu")
-    if "layer_norm" in ops:
-        def layer():
-            y = reference.layer_norm(x, (cols,), None, None, 0.0)[0]
-            return max(np.abs(y.mean(-1)).max(), np.abs(y.var(-1) - 1).max())
-        checks["layer_norm"] = layer
-    if "rms_norm" in ops:
-        def rms():
-            y = reference.rms_norm(x, (cols,), None, 0.0)[0]
-            return np.abs((y * y).mean(-1) - 1).max()
-        checks["rms_norm"] = rms
     for op, check in checks.items():
         err = float(check())
         yield dict(op=op, variant="reference properties", dtype="float64",

@@ -23,8 +23,9 @@ import pytest
 from click.testing import CliRunner
 
 import cukern
-from cukern import _io, cli, reference
-from cukern.cli import app
+from cukern import _io, reference
+from cukern.cli import app, tools
+from cukern.cli import common as cli  # the helpers the tests replace: _gpu_problem, _require
 
 ROOT = Path(__file__).resolve().parents[1]
 NORMS = all(hasattr(reference, n) for n in ("layer_norm", "layer_norm_backward", "rms_norm",
@@ -752,7 +753,7 @@ def test_explain_norm_switches():
     assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false, 3, 1>" in plain
     wide = run("explain", "layer-norm", "--shape", "1024x131072", "--dtype", "float16",
                "--device", "h100", "--weight", "--bias").stdout
-    # two rows a pass over a cluster of 8 (_dispatch.PAIRED_MIN_COLS)
+    # two rows a pass over a cluster of 8 (Tuning.paired_min_cols in cukern/plan/policy.py)
     assert "layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3, 2>" in wide
     assert "rows_per_pass      2" in wide and "rows_per_pass" not in plain
     fused = run(*args, "--residual").stdout
@@ -830,15 +831,15 @@ def test_precompile_arch_without_gpu(monkeypatch):
         seen.append((family, list(names), arch))
         return {n: n for n in names}
 
-    from cukern import _compile, _device, _dispatch
+    from cukern import _compile, _device, registry
 
     monkeypatch.setattr(_compile, "compile_check", check)
     err = run("precompile", "--arch", "sm_90", "--dtype", "float16", "--op", "softmax,log-softmax",
               "--jobs", "1").stderr
     names = {n for _, ns, _ in seen for n in ns}
     spec = _device.DeviceSpec.h100()
-    want = _dispatch.reachable_plans("softmax", "float16", spec) | \
-        _dispatch.reachable_plans("log_softmax", "float16", spec)
+    want = registry.kernel_names(["softmax"], ["float16"], spec)["softmax"] | \
+        registry.kernel_names(["log_softmax"], ["float16"], spec)["softmax"]
     assert names == want and {a for _, _, a in seen} == {"sm_90"}
     assert any("cluster" in n for n in names)
     assert f"checked {len(want)} of {len(want)}" in err
@@ -851,8 +852,9 @@ def test_precompile_arch_without_gpu(monkeypatch):
 
 def test_precompile_compiles_for_real():
     """NVRTC without a GPU, in two worker processes: a real compile of one small batch."""
-    from cukern import _dispatch
+    from cukern import registry
 
-    names = sorted(_dispatch.reachable_plans("softmax", "float32", cukern.DeviceSpec.h100()))
-    assert cli._compile_all([("softmax", names[:2]), ("softmax", names[-2:])], "sm_90", None, 2,
+    names = sorted(registry.kernel_names(["softmax"], ["float32"],
+                                         cukern.DeviceSpec.h100())["softmax"])
+    assert tools._compile_all([("softmax", names[:2]), ("softmax", names[-2:])], "sm_90", None, 2,
                             "test", False) == 4

@@ -1,0 +1,68 @@
+"""The ``cukern`` command line: cukern's ops on arrays in ``.npy``/``.npz`` files, and tools.
+
+The op commands (:mod:`cukern.cli.ops`: softmax, layer-norm, rms-norm) run on files of any
+size, in chunks; the tools (:mod:`cukern.cli.tools`: explain, info, bench, selftest,
+precompile) read the op list from :mod:`cukern.registry`. What they share, the error policy
+included, is in :mod:`cukern.cli.common`.
+
+Errors are one line on stderr and exit status 2 (the files or arguments are wrong) or 1 (the
+machine cannot do it); ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+from .common import HELP
+from .ops import layer_norm_cmd, rms_norm_cmd, softmax_cmd
+from .tools import bench_cmd, explain_cmd, info_cmd, precompile_cmd, selftest_cmd
+
+__all__ = ["main", "app"]
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx):
+        return list(self.commands)  # in the order they are added, not alphabetical
+
+
+@click.group("cukern", cls=_Group, context_settings=HELP)
+@click.version_option(__version__, prog_name="cukern", message="%(prog)s %(version)s")
+@click.option("--debug", is_flag=True, help="Show the full traceback when something fails.")
+@click.pass_context
+def app(ctx: click.Context, debug: bool) -> None:
+    """Fast CUDA kernels for arrays on disk.
+
+    \b
+    Op commands read IN.npy (or ARRAY.npz:KEY) and write OUT.npy:
+      cukern softmax logits.npy -o probs.npy --dtype float16
+      cukern layer-norm x.npy -o y.npy --weight w.npy --bias b.npy --stats stats.npz
+    Files larger than the GPU are processed in chunks of whole rows, with the
+    same result as in one piece. The output appears only when complete: a
+    failed or interrupted run leaves no partial file and never touches the input.
+    --device cpu runs the float64 NumPy reference instead (slow; no GPU needed).
+
+    Errors are one line on stderr, exit status 2 for bad files or arguments and 1
+    when the machine cannot do it (no GPU, no disk space); --debug shows more.
+    """
+    ctx.ensure_object(dict)["debug"] = debug
+
+
+for _cmd in (softmax_cmd, layer_norm_cmd, rms_norm_cmd,
+             explain_cmd, info_cmd, bench_cmd, selftest_cmd, precompile_cmd):
+    app.add_command(_cmd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``cukern`` console script. SIGTERM ends a run like Ctrl-C does:
+    through the cleanup that removes its unfinished output files."""
+    import signal
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        pass
+    app.main(args=argv, prog_name="cukern")

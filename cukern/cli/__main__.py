@@ -1,0 +1,5 @@
+"""``python -m cukern.cli``: the command line."""
+
+from . import main
+
+main()
