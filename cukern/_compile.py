@@ -29,7 +29,7 @@ def kernel_dir() -> Path:
     """Where the ``.cuh`` files are: inside the installed package, or the source checkout."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "kernels", here.parent / "kernels"):
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "types.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"cukern: kernel sources not found beside {here}")
 

@@ -1,0 +1,168 @@
+// Global and shared memory: Layout, the Load and Store functors, shared-memory row caches,
+// asynchronous copies, L2 prefetch and the dynamic shared memory.
+#pragma once
+#include "types.cuh"
+
+namespace cukern {
+
+// One store instruction of a whole word to global memory.
+__device__ __forceinline__ void store_global(unsigned short* p, unsigned short w) { *p = w; }
+__device__ __forceinline__ void store_global(unsigned* p, unsigned w) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(w) : "memory");
+}
+__device__ __forceinline__ void store_global(uint2* p, uint2 w) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+}
+__device__ __forceinline__ void store_global(uint4* p, uint4 w) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y),
+               "r"(w.z), "r"(w.w)
+               : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where row `row`, column `col` of a (rows, cols) view lives. The host collapses any array to
+// rows = outer * inner: element (o, c, i) sits at o * s_outer + c * s_col + i * s_inner.
+// Contiguous rows (STRIDED == false) need inner == 1 and s_col == 1, and allow vector packs.
+template <bool STRIDED> struct Layout {
+  i64 s_outer, s_inner, s_col, inner;
+  __device__ __forceinline__ i64 offset(i64 row, int col) const {
+    if (STRIDED) {
+      return (row / inner) * s_outer + (row % inner) * s_inner + static_cast<i64>(col) * s_col;
+    }
+    return row * s_outer + col;
+  }
+};
+
+// Reads N consecutive columns of one row and converts them to the compute type; `raw` reads
+// them in the storage type.
+template <typename T, typename C, bool STRIDED> struct Load {
+  const T* ptr;
+  Layout<STRIDED> at;
+  template <int N> __device__ __forceinline__ Pack<T, N> raw(i64 row, int col) const {
+    Pack<T, N> pack;
+    if (STRIDED) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) pack.elem[i] = ptr[at.offset(row, col + i)];
+    } else {
+      pack.word = *reinterpret_cast<const typename Pack<T, N>::word_t*>(ptr + at.offset(row, col));
+    }
+    return pack;
+  }
+  template <int N> __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
+    const Pack<T, N> pack = raw<N>(row, col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = pack_value(pack, i);
+  }
+  // The view from row `row` on (its row 0), for a loop over one row's columns: the row's offset
+  // (a 64-bit division when STRIDED) computed once, not under each pack's guard.
+  __device__ __forceinline__ Load from_row(i64 row) const {
+    return Load{ptr + at.offset(row, 0), at};
+  }
+};
+
+// Converts N compute values to T and writes them to N consecutive columns of one row.
+template <typename C, typename T, bool STRIDED> struct Store {
+  T* ptr;
+  Layout<STRIDED> at;
+  template <int N> __device__ __forceinline__ void store(const C* src, i64 row, int col) const {
+    if (STRIDED) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) ptr[at.offset(row, col + i)] = Num<T>::from(src[i]);
+    } else {
+      T e[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) e[i] = Num<T>::from(src[i]);
+      store_global(reinterpret_cast<typename Pack<T, N>::word_t*>(ptr + at.offset(row, col)),
+                   WordOf<T, N>::make(e));
+    }
+  }
+  // As Load::from_row.
+  __device__ __forceinline__ Store from_row(i64 row) const {
+    return Store{ptr + at.offset(row, 0), at};
+  }
+};
+
+// A row cached on chip in the storage type: packs of N elements in shared memory.
+template <typename T, typename C, int N> struct SmemRow {
+  T* base;
+  __device__ __forceinline__ void put(int pack_id, const C* v) const {
+    T e[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = Num<T>::from(v[i]);
+    reinterpret_cast<typename Pack<T, N>::word_t*>(base)[pack_id] = WordOf<T, N>::make(e);
+  }
+  __device__ __forceinline__ void get(int pack_id, C* v) const {
+    Pack<T, N> pack;
+    pack.word = reinterpret_cast<const typename Pack<T, N>::word_t*>(base)[pack_id];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = pack_value(pack, i);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous copies from global to shared memory (sm_80+): a thread can have every pack it
+// owns in flight at once, whatever the compiler's register budget, and waits once.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+// dst: a shared-memory address (shared_address), which a loop can compute once.
+template <int BYTES> __device__ __forceinline__ void cp_async_to(unsigned dst, const void* src) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async moves 4, 8 or 16 bytes");
+  if (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(BYTES)
+                 : "memory");
+  }
+}
+template <int BYTES> __device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  cp_async_to<BYTES>(shared_address(dst), src);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+// Closes the group of copies issued since the last commit; wait_group<N> waits until at most
+// the N most recent groups are still in flight.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// Asks L2 to fetch `bytes` (a multiple of 16) of global memory from `src` (16-byte aligned) in
+// the background: one instruction for a whole span, no registers, nothing to wait for (sm_90;
+// elsewhere a no-op).
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+// The dynamic shared memory this launch was given.
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+// The dynamic shared memory. It begins where the kernel's static shared memory (reduction
+// buffers) ends, which ptxas aligns to 16 bytes only; asynchronous copies into a row cache off a
+// 128-byte boundary are slower (docs/notes/kernels.md, "Shared memory"). A plan that asks for
+// kSmemAlign bytes more (the planner's smem_align) may take it from its first kSmemAlign-byte
+// boundary (aligned_dynamic_smem: the norms' clusters, whose static buffers end anywhere); block
+// kernels whose only static buffers are allreduce_block's 64 states (a multiple of 256 bytes)
+// start on one already and take it as it is (dynamic_smem).
+constexpr unsigned kSmemAlign = 128;
+template <typename T> __device__ __forceinline__ T* dynamic_smem() {
+  extern __shared__ uint4 smem_words[];
+  return reinterpret_cast<T*>(smem_words);
+}
+template <typename T> __device__ __forceinline__ T* aligned_dynamic_smem() {
+  extern __shared__ uint4 smem_words[];
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem_words));
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(smem_words) +
+                              (kSmemAlign - at % kSmemAlign) % kSmemAlign);
+}
+
+}  // namespace cukern

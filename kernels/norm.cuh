@@ -1,0 +1,66 @@
+// What the layer norm and RMS norm kernels share, forward (layer_norm.cuh) and backward
+// (layer_norm_grad.cuh), over the columns of a (rows, cols) view:
+//
+//   layer norm  mean = sum(x) / n, var = sum((x - mean)^2) / n, rstd = 1 / sqrt(var + eps),
+//               y = (x - mean) * rstd * gamma + beta
+//   RMS norm    rstd = 1 / sqrt(sum(x^2) / n + eps), y = x * rstd * gamma
+//   backward    xhat = (x - mean) * rstd (RMS: x * rstd), g = dy * gamma,
+//               dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMS: no mean(g) term),
+//               dgamma = sum over rows of dy * xhat, dbeta = sum over rows of dy.
+//
+// Statistics are exact two-pass (mean, then the sum of squared deviations) wherever the row is
+// on chip; the cluster variant merges its slices' exact (count, mean, M2) with Chan's formula;
+// the uncached variant keeps a Welford state per thread and merges those. Never E[x^2] -
+// E[x]^2. Layer norm works on x - K, K the row's first value: for rows far from zero (x = 1e4 +
+// noise in float32) the differences are exact and small, so neither the sums nor
+// y = ((x - K) - mean') * rstd lose digits to the offset, and a constant row gives var = 0 and
+// y = beta exactly. Half and bfloat16 rows, once summed, are normalised as x - (K + mean') in
+// one operation: the rounding of K + mean' to float is far below their spacing (a representable
+// deviation from a mean m is at least m * 2^-11). RMS norm needs no mean, and a sum of squares
+// has no cancellation.
+// Statistics and all sums are in the compute type (float for half, bfloat16 and float; double
+// for double), as are the dgamma/dbeta partial sums.
+//
+// Only what sizes a register array or changes memory traffic is a template argument: the storage
+// type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
+// the cluster size, the fused-functor switches WEIGHT, BIAS, RESIDUAL, whether a cached
+// forward block overlaps its rows (OVERLAP: a loop of different registers), and for a cached
+// backward with WEIGHT where its column sums live (REGS) and whether gamma is copied into shared
+// memory (GAMMA). The group width (blockDim.x of the warp kernel), the block size, padding and
+// the number of buffers of a cached backward are read at run time.
+//
+// Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
+// Every pointer and row stride is a multiple of PACK elements (the planner checks).
+#pragma once
+#include "memory.cuh"
+
+namespace cukern {
+
+enum { kLayerNorm = 0, kRMSNorm = 1 };
+
+// Row `row` of a view with row stride s (in elements) and contiguous columns.
+__device__ __forceinline__ Layout<false> rows_at(i64 s) { return Layout<false>{s, 0, 1, 1}; }
+
+// Calls f(p, v) for the packs p of [p0, p1) that this thread owns in a block kernel
+// (p0 + threadIdx.x, then steps of blockDim.x), keeping U loads in flight. `ld` writes VALS
+// values per pack. Every pass of a block kernel visits the packs with this same mapping, so a
+// thread reads back only what it wrote itself and needs no barrier.
+template <typename C, int PACK, int VALS, int U, typename L, typename F>
+__device__ __forceinline__ void scan_packs(const L& ld, i64 row, int p0, int p1, F&& f) {
+  const int stride = blockDim.x;
+  int p = p0 + threadIdx.x;
+  for (; p + (U - 1) * stride < p1; p += U * stride) {
+    C v[U][VALS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) ld.template load<PACK>(v[u], row, (p + u * stride) * PACK);
+#pragma unroll
+    for (int u = 0; u < U; ++u) f(p + u * stride, v[u]);
+  }
+  for (; p < p1; p += stride) {
+    C v[VALS];
+    ld.template load<PACK>(v, row, p * PACK);
+    f(p, v);
+  }
+}
+
+}  // namespace cukern
