@@ -54,10 +54,15 @@ template <typename S> __device__ __forceinline__ S allreduce_row(S v, int width)
 }
 
 // Registers a thread of the forward cached kernels may use. With the block size unknown, ptxas
-// takes up to 64 where the kernels need 40 (16-bit types) or 48 (float): the cap keeps three
-// blocks of 512 threads (two, float) to an SM (docs/notes/kernels.md, "Softmax").
-template <typename T> struct CachedRegs {
-  static constexpr int value = sizeof(T) == 2 ? 40 : sizeof(T) == 4 ? 48 : 64;
+// takes up to 64; these are what the kernels took with it known (16-bit types: 40 for 16-byte
+// packs, 32 for smaller; float: 48 and 40), which keep three blocks of 512 threads (two for float
+// with 16-byte packs) to an SM. Clusters of 16-bit types with 16-byte packs take 48: at 40 the
+// log-softmax spills (docs/notes/kernels.md, "Softmax").
+template <typename T, int PACK, bool CLUSTER> struct CachedRegs {
+  static constexpr bool kWide = PACK * sizeof(T) == 16;
+  static constexpr int value = sizeof(T) == 8   ? 64
+                               : sizeof(T) == 4 ? (kWide ? 48 : 40)
+                                                : (kWide ? (CLUSTER ? 48 : 40) : 32);
 };
 
 #define CUKERN_LAYOUT_ARGS(p) i64 p##_outer, i64 p##_inner, i64 p##_col
@@ -300,7 +305,7 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
 }
 
 template <typename T, int ALGO, bool STRIDED, int PACK>
-__global__ void __maxnreg__(CachedRegs<T>::value)
+__global__ void __maxnreg__((CachedRegs<T, PACK, false>::value))
 softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                    CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
@@ -311,7 +316,7 @@ softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOU
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 template <typename T, int ALGO, int PACK, int CLUSTER>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __maxnreg__(CachedRegs<T>::value)
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __maxnreg__((CachedRegs<T, PACK, true>::value))
 softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                 CUKERN_LAYOUT_ARGS(ys)) {
   constexpr bool STRIDED = false;
