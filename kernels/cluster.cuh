@@ -97,15 +97,15 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 
 // ---------------------------------------------------------------------------------------------
 // The states' (reduce.cuh) reads from, and stores to, another block's shared memory.
-template <typename C, int K>
-__device__ __forceinline__ Sums<C, K> Sums<C, K>::remote(unsigned addr) {
-  Sums s;
+template <typename C, int K, typename Op>
+__device__ __forceinline__ Lanes<C, K, Op> Lanes<C, K, Op>::remote(unsigned addr) {
+  Lanes s;
 #pragma unroll
   for (int k = 0; k < K; ++k) s.v[k] = cluster_load(addr + k * sizeof(C), C());
   return s;
 }
-template <typename C, int K>
-__device__ __forceinline__ void Sums<C, K>::put_remote(unsigned addr, unsigned bar) const {
+template <typename C, int K, typename Op>
+__device__ __forceinline__ void Lanes<C, K, Op>::put_remote(unsigned addr, unsigned bar) const {
 #pragma unroll
   for (int k = 0; k < K; ++k) cluster_store_async(addr + k * sizeof(C), v[k], bar);
 }

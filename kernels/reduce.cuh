@@ -24,53 +24,46 @@ __device__ __forceinline__ unsigned lane_id() {
   return l;
 }
 
-// K sums carried together (one shuffle round for all of them).
-template <typename C, int K> struct Sums {
+// K values of one reduction carried together (one shuffle round for all of them). Op gives the
+// identity and a combination that is commutative bit for bit.
+template <typename C, int K, typename Op> struct Lanes {
   C v[K];
-  static __device__ __forceinline__ Sums identity() {
-    Sums s;
+  static __device__ __forceinline__ Lanes identity() {
+    Lanes s;
 #pragma unroll
-    for (int k = 0; k < K; ++k) s.v[k] = C(0);
+    for (int k = 0; k < K; ++k) s.v[k] = Op::template identity<C>();
     return s;
   }
-  static __device__ __forceinline__ Sums merge(const Sums& a, const Sums& b) {
-    Sums s;
+  static __device__ __forceinline__ Lanes merge(const Lanes& a, const Lanes& b) {
+    Lanes s;
 #pragma unroll
-    for (int k = 0; k < K; ++k) s.v[k] = a.v[k] + b.v[k];
+    for (int k = 0; k < K; ++k) s.v[k] = Op::apply(a.v[k], b.v[k]);
     return s;
   }
-  __device__ __forceinline__ Sums shfl_xor(int mask) const {
-    Sums s;
+  __device__ __forceinline__ Lanes shfl_xor(int mask) const {
+    Lanes s;
 #pragma unroll
     for (int k = 0; k < K; ++k) s.v[k] = __shfl_xor_sync(0xffffffffu, v[k], mask);
     return s;
   }
-  static __device__ Sums remote(unsigned addr);
+  static __device__ Lanes remote(unsigned addr);
   __device__ void put_remote(unsigned addr, unsigned bar) const;
 };
 
-// K maxima carried together; NaN wins (max_nan_commutative).
-template <typename C, int K> struct Maxes {
-  C v[K];
-  static __device__ __forceinline__ Maxes identity() {
-    Maxes s;
-#pragma unroll
-    for (int k = 0; k < K; ++k) s.v[k] = -Math<C>::inf();
-    return s;
-  }
-  static __device__ __forceinline__ Maxes merge(const Maxes& a, const Maxes& b) {
-    Maxes s;
-#pragma unroll
-    for (int k = 0; k < K; ++k) s.v[k] = max_nan_commutative(a.v[k], b.v[k]);
-    return s;
-  }
-  __device__ __forceinline__ Maxes shfl_xor(int mask) const {
-    Maxes s;
-#pragma unroll
-    for (int k = 0; k < K; ++k) s.v[k] = __shfl_xor_sync(0xffffffffu, v[k], mask);
-    return s;
+struct AddOp {
+  template <typename C> static __device__ __forceinline__ C identity() { return C(0); }
+  template <typename C> static __device__ __forceinline__ C apply(C a, C b) { return a + b; }
+};
+// NaN wins (max_nan_commutative).
+struct MaxOp {
+  template <typename C> static __device__ __forceinline__ C identity() { return -Math<C>::inf(); }
+  template <typename C> static __device__ __forceinline__ C apply(C a, C b) {
+    return max_nan_commutative(a, b);
   }
 };
+
+template <typename C, int K> using Sums = Lanes<C, K, AddOp>;
+template <typename C, int K> using Maxes = Lanes<C, K, MaxOp>;
 
 // Welford's running (count, mean, sum of squared deviations). merge is Chan et al.'s pairwise
 // update in a symmetric form: n = na + nb, m = (na * ma + nb * mb) / n,
