@@ -108,7 +108,7 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     and shared sums); else clusters with two buffers, gamma and shared sums of the smallest
     size that has one and of twice that, by (layer norm: two blocks per SM, resident threads
     nearest 512, the smaller cluster, the wider block; RMS norm: the smaller cluster, blocks
-    nearest 512 threads, more blocks per SM); else the block's best, else session 8's
+    nearest 512 threads, more blocks per SM); else the block's best, else the fallback
     cluster (the first size that fits; of shared sums two buffers, one, register sums two,
     one: the first with two blocks per SM, else the first with two buffers, else the first;
     then gamma beside two buffers where it keeps the blocks per SM)."""
@@ -214,7 +214,7 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
         return max(s2g, key=cluster_rank)[:5]
     if best_block is not None:
         return best_block[:5]
-    for size in sizes[1:]:  # session 8's cluster
+    for size in sizes[1:]:  # the fallback cluster (_cluster_fallback)
         sp = -(-packs // size)
         found = []
         for in_regs, two in itertools.product((False, True), (True, False)):

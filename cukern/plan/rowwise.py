@@ -1,6 +1,6 @@
 """The row-wise cascade: (op, rows, cols, dtype, device, occupancy) -> Plan.
 
-OneFlow's three variants (DESIGN.md section 2: warp, block with shared memory, block
+OneFlow's three variants (warp, block with shared memory, block
 uncached) with its thresholds, plus thread-block clusters for rows past one block's shared
 memory. cukern's departures, each with its numbers in ``docs/notes/``: up to 16-byte packs;
 rows cached in their storage type with the full opt-in shared memory; clusters (plan_cluster);
