@@ -9,10 +9,10 @@
 from __future__ import annotations
 
 from ._device import DeviceSpec
-from .plan import Plan, Switches, Variant
 from ._explain import explain
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
+from .plan import Plan, Switches, Variant
 
 __version__ = "0.1.0"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,8 +19,6 @@ try:
     import cupy as cp
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
-
-from typing import NamedTuple
 
 from . import _compile, _device
 from . import plan as _plan
