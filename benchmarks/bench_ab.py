@@ -149,6 +149,15 @@ def prewarm(lib, case_list) -> None:
     print(f"prewarmed {len(names)} kernels of {lib.__name__}; {len(errors)} failed", flush=True)
 
 
+def launch_shape(lib, case, rows: int) -> str:
+    """The launch ``lib``'s planner picks on this GPU: kernel, grid, block, cluster, smem."""
+    family, label, op, w, b, r, dtype, cols = case
+    flags = {} if family == "softmax" else {"weight": w, "bias": b, "residual": r}
+    p = lib.explain(op, (rows, cols), dtype, device=cp.cuda.runtime.getDevice(), **flags)
+    return (f"{p.name_expression()} grid={p.grid} block={p.block[0]}x{p.block[1]} "
+            f"cluster={p.cluster} smem={p.smem_bytes}")
+
+
 def run(base, case_list, rounds: int, reps: int) -> list[dict]:
     rows_out = []
     _bench.warm_up(2.0)
@@ -171,10 +180,14 @@ def run(base, case_list, rounds: int, reps: int) -> list[dict]:
                    copy_ms=ms["copy"], base_ms=ms["base"], new_ms=ms["new"],
                    base_pct=100 * ms["copy"] / ms["base"], new_pct=100 * ms["copy"] / ms["new"])
         row["delta"] = row["new_pct"] - row["base_pct"]
+        row["base_plan"], row["new_plan"] = (launch_shape(lib, case, rows)
+                                             for lib in (base, cukern))
         rows_out.append(row)
         print(f"[{n + 1}/{len(case_list)}] {label:<22} {dtype:<9} {cols:>7}  base "
               f"{row['base_pct']:6.1f}%  new {row['new_pct']:6.1f}%  {row['delta']:+5.1f}",
               flush=True)
+        if row["delta"] < -1:
+            print(f"    base {row['base_plan']}\n    new  {row['new_plan']}", flush=True)
         del sets, calls
         cp.get_default_memory_pool().free_all_blocks()
     return rows_out
@@ -231,13 +244,14 @@ def main() -> None:
 
     base_name = args.base_name or args.base
     result = Run(args.out, "ab", device, quick=args.quick)
-    result.save({"base": base_name, "results": rows})
+    payload = result.merge_previous({"base": base_name, "results": rows})  # other families kept
+    result.save(payload)
     result.append([dict(op=r["op"], dtype=r["dtype"], rows=r["rows"], cols=r["cols"],
                         pct_copy=r["new_pct"], gbps=r["bytes"] / r["new_ms"] / 1e6,
                         copy_gbps=r["bytes"] / r["copy_ms"] / 1e6, cukern_ms=r["new_ms"],
                         copy_ms=r["copy_ms"], note=f"base {base_name}: {r['base_pct']:.2f}%")
                    for r in rows])
-    plot(rows, result.png_path,
+    plot(payload["results"], result.png_path,
          f"{device}: this tree against {base_name} (% of copy; grey: within 1 point)")
 
 
