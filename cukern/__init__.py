@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._device import DeviceSpec
 from ._explain import explain
+from .ops.batch_norm import batch_norm, batch_norm_backward, batch_stats
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
 from .plan import Plan, Switches, Variant
@@ -21,6 +22,9 @@ __all__ = [
     "Plan",
     "Switches",
     "Variant",
+    "batch_norm",
+    "batch_norm_backward",
+    "batch_stats",
     "explain",
     "layer_norm",
     "layer_norm_backward",

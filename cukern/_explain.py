@@ -32,9 +32,18 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool = False,
-            bias: bool = False, residual: bool = False) -> _plan.Plan:
+def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
+            weight: bool = False, bias: bool = False, residual: bool = False,
+            training: bool = True, layout: str = "NCHW", relu: bool = False,
+            addend: bool = False):
     """The plan ``op`` would run for a C-contiguous array of ``shape`` and ``dtype``.
+
+    ``axis``: the reduced axis of a row-wise op (default -1), the channel axis of the batch-norm
+    family (default 1). Batch norm (``batch_norm``, ``batch_norm_backward``, ``batch_stats``)
+    also takes ``training``, ``layout`` ("NCHW": C order; "NHWC": channels last in memory),
+    ``relu`` (forward: fused ReLU writing its mask; backward: dy masked) and ``addend``
+    (forward: added before the ReLU; backward: daddend written); it returns a
+    :class:`cukern.plan.batch_norm.BatchNormPlan` (layout, passes, grids, what stays on chip).
 
     ``device``: a :class:`DeviceSpec` (plans from its occupancy model, no GPU needed), a CUDA
     device id (the driver's occupancy for the compiled kernels), or None: the current GPU when
@@ -44,6 +53,12 @@ def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool 
     """
     if op not in registry.OPS:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(registry.OPS)}")
+    if not registry.OPS[op].rowwise:
+        if residual:
+            raise ValueError(f"explain: {op} takes no residual (pass addend=True)")
+        return _explain_batch_norm(op, shape, dtype, 1 if axis is None else axis, device,
+                                   training=training, layout=layout, relu=relu, addend=addend)
+    axis = -1 if axis is None else axis
     switches = _switches(op, {"weight": weight, "bias": bias, "residual": residual})
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
@@ -62,6 +77,36 @@ def explain(op: str, shape, dtype, axis: int = -1, device=None, *, weight: bool 
     spec, occupancy = _resolve(device)
     return _plan.plan_rowwise(op, rows, cols, name, spec, occupancy, strided=strided,
                               switches=switches)
+
+
+def _explain_batch_norm(op: str, shape, dtype, axis, device, *, training, layout, relu,
+                        addend):
+    from .plan import batch_norm as bnplan
+
+    for name, value in (("training", training), ("relu", relu), ("addend", addend)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"explain: {name} must be True or False, got {value!r}")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
+        raise ValueError(f"explain: shape must be non-negative ints, got {shape}")
+    if len(shape) < 2:
+        raise ValueError(f"explain: {op} needs at least 2 dimensions (N, C, ...), got {shape}")
+    nd = len(shape)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -nd <= axis < nd:
+        raise ValueError(f"explain: axis {axis!r} is out of range for shape {shape}")
+    if not isinstance(layout, str) or layout.upper() not in ("NCHW", "NHWC"):
+        raise ValueError(f"explain: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+    name = dtype_name(dtype)
+    if math.prod(shape) == 0:
+        raise ValueError(f"explain: shape {shape} is empty; no kernel runs for it")
+    strides = bnplan.layout_strides(shape, int(axis), layout)
+    view = bnplan.channel_view(shape, strides, int(axis) % nd)
+    spec, _ = _resolve(device)
+    # the ReLU mask: what a training step keeps for its backward (eval writes none)
+    mask = relu and (op == "batch_norm_backward" or op == "batch_norm" and training)
+    return bnplan.plan_batch_norm(op, view, name, spec, training=bool(training),
+                                  relu=bool(relu) and op == "batch_norm", addend=bool(addend),
+                                  mask=bool(mask), signature=registry.OPS[op].signature)
 
 
 def _switches(op: str, flags: dict[str, bool]) -> _plan.Switches:

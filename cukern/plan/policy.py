@@ -62,6 +62,21 @@ class Tuning:
     # column-sum partial rows straight from x and dy (uncached backward): block width and waves
     partial_threads: int = 256
     partial_waves: int = 2
+    # batch norm (cukern/plan/batch_norm.py); not yet measured: first choices, to be timed on
+    # the H100 (docs/notes/batch_norm.md)
+    # threads of a statistics / gradient-sums block (planes: one block per channel and split)
+    bn_reduce_threads: int = 256
+    # statistics grids: this many waves of resident blocks, split over channels
+    bn_reduce_waves: int = 2
+    # a split keeps at least this many packs a thread (x unroll), so short splits stay busy
+    bn_min_packs_per_thread: int = 2
+    # at most this many partial states a channel: the merge folds them, 32 a warp lane
+    bn_max_splits: int = 1024
+    # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
+    bn_apply_threads: int = 256
+    bn_apply_waves: int = 4
+    # channel-merge kernels: channels (warps) a block
+    bn_finalize_channels: int = 8
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.

@@ -1,0 +1,378 @@
+"""Planning the batch-norm family (``kernels/batch_norm.cuh``): pure functions from a tensor's
+shape and strides, dtype and device to a printable :class:`BatchNormPlan` of launches.
+
+A tensor is seen as (A, C, B) = (outer, channels, inner) in memory order (:func:`channel_view`):
+dense tensors in any axis order qualify; the element at flat memory index e is in channel
+(e // B) % C. B > 1 is the planes layout (NCHW: each channel a run of B elements per outer
+index), B == 1 the columns layout (NHWC, (N, C): channels adjacent).
+
+Passes (each a kernel; the shapes are read at run time, only dtype, pack width, layout and
+the addend are template arguments):
+
+- training forward: statistics partials per (channel, split) -> a fixed-order merge per channel
+  (mean, invstd, running statistics, coefficients) -> the apply pass (y, add, ReLU, mask);
+- eval forward: the coefficients from the running statistics -> the apply pass;
+- backward: gradient-sum partials (sum g, sum g (x - mean)) -> merge (dweight, dbias, dx
+  coefficients) -> the dx pass (and daddend);
+- ``batch_stats``: the statistics partials and their merge.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .._device import DeviceSpec
+from .common import ITEMSIZE
+from .policy import Tuning, tuning_for
+
+__all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strides",
+           "fast_div", "pack_for",
+           "unroll_for", "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
+
+OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
+INT32_MAX = 2**31 - 1
+MAX_REDUCE_THREADS = 256  # kernels/batch_norm.cuh: kBnReduceThreads (__launch_bounds__)
+PLANES, COLUMNS = "planes", "columns"
+_COMPUTE = {"float16": "float32", "bfloat16": "float32", "float32": "float32",
+            "float64": "float64"}
+
+
+class ChannelView(NamedTuple):
+    """A dense tensor as (A, C, B) = (outer, channels, inner) in memory order."""
+
+    outer: int
+    channels: int
+    inner: int
+
+    @property
+    def layout(self) -> str:
+        return PLANES if self.inner > 1 else COLUMNS
+
+    @property
+    def numel(self) -> int:
+        return self.outer * self.channels * self.inner
+
+    @property
+    def per_channel(self) -> int:
+        """Values a channel's statistics are over (A * B)."""
+        return self.outer * self.inner
+
+
+def channel_view(shape, strides, axis: int) -> ChannelView | None:
+    """(A, C, B) of an array of ``shape`` and ``strides`` (in elements) with channels on
+    ``axis``, or None when it is not dense (a permutation of a C-contiguous array: no gaps, no
+    overlaps), which the op then copies. Non-channel axes adjacent in memory merge; size-1 axes
+    do not count. A single channel is read as columns (A = numel, B = 1)."""
+    shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
+    numel = math.prod(shape)
+    c = shape[axis]
+    if numel == 0:
+        return ChannelView(numel // c if c else 0, c, 1)
+    dims = sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1)
+    if any(s < 0 for n, s in zip(shape, strides) if n > 1):
+        return None
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return None
+        expected *= n
+    if c == 1:
+        return ChannelView(numel, 1, 1)
+    inner = strides[axis]
+    return ChannelView(numel // (c * inner), c, inner)
+
+
+def layout_strides(shape, axis: int, layout: str) -> tuple[int, ...]:
+    """Element strides of a dense array of ``shape`` in ``layout``: "NCHW" (C order) or "NHWC"
+    (channels last in memory, the other axes in order: PyTorch's channels_last)."""
+    nd = len(shape)
+    axis = axis % nd
+    if layout.upper() == "NCHW":
+        order = list(range(nd))
+    elif layout.upper() == "NHWC":
+        order = [i for i in range(nd) if i != axis] + [axis]
+    else:
+        raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+    strides = [0] * nd
+    step = 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= int(shape[i])
+    return tuple(strides)
+
+
+def fast_div(d: int) -> tuple[int, int]:
+    """(m, s) of the kernels' FastDiv for divisor ``d`` >= 1: for 0 <= n < 2^31,
+    n // d == (((n * m) >> 32) + n) >> s."""
+    if d < 1 or d > INT32_MAX:
+        raise ValueError(f"fast_div: divisor {d} out of range")
+    s = (d - 1).bit_length()  # ceil(log2 d)
+    m = (2**32 * (2**s - d)) // d + 1
+    return m, s
+
+
+def unroll_for(pack_bytes: int) -> int:
+    """Packs a thread keeps in flight (the kernels' bn::unroll_for): about 32 bytes, at most 8."""
+    return 1 if pack_bytes >= 32 else min(8, 32 // pack_bytes)
+
+
+def max_pack(dtype: str) -> int:
+    return 16 // ITEMSIZE[dtype]
+
+
+def pack_for(dtype: str, view: ChannelView, align_elems: int = 16) -> int:
+    """Elements a vector access moves: the widest power of two <= 16 bytes that divides the
+    run a pack must stay in (B for planes, C for columns) and the arrays' alignment."""
+    run = view.inner if view.layout == PLANES else view.channels
+    p = max_pack(dtype)
+    while p > 1 and (run % p or align_elems % p):
+        p //= 2
+    return p
+
+
+@dataclass(frozen=True)
+class Step:
+    """One kernel launch: its kind and template arguments (the family spells its name), grid,
+    block, dynamic shared memory and what it does."""
+
+    kind: str  # stats_planes | stats_cols | finalize | apply | grad_planes | grad_cols |
+    #            grad_finalize | dx
+    targs: tuple
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    smem: int = 0
+    what: str = ""
+    kernel: str = ""  # the name expression (set by the family's signature)
+
+
+@dataclass(frozen=True)
+class BatchNormPlan:
+    """The launches of one batch-norm call, fully decided. Printable, comparable."""
+
+    op: str
+    dtype: str
+    view: ChannelView
+    pack: int
+    steps: tuple[Step, ...]
+    training: bool = True
+    relu: bool = False
+    addend: bool = False
+    mask: bool = False
+    splits: int = 0  # partial states a channel (0: no reduction pass)
+    copied: bool = False  # the input was not dense and is copied first
+    device: str = ""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def layout(self) -> str:
+        return self.view.layout
+
+    @property
+    def family(self) -> str:
+        return "batch_norm"
+
+    def kernel_names(self) -> tuple[str, ...]:
+        return tuple(s.kernel for s in self.steps)
+
+    def step(self, kind_prefix: str) -> Step | None:
+        for s in self.steps:
+            if s.kind.startswith(kind_prefix):
+                return s
+        return None
+
+    def __str__(self) -> str:
+        a, c, b = self.view
+        item = ITEMSIZE[self.dtype]
+        mode = "training" if self.training else "eval"
+        kind = ("NCHW-like: runs of B per channel" if self.layout == PLANES
+                else "NHWC-like: channels adjacent")
+        lines = [f"{self.op} {self.dtype} ({mode}) A={a} C={c} B={b} on {self.device}",
+                 f"  layout             {self.layout} ({kind})"]
+        if self.copied:
+            lines.append("  copy               the input is not dense: copied to C order first")
+        lines.append(f"  pack_size          {self.pack} ({self.pack * item} bytes per access)")
+        fused = [n for n, on in (("addend", self.addend), ("relu", self.relu),
+                                 ("mask", self.mask)) if on]
+        if fused:
+            lines.append(f"  fused              {', '.join(fused)}")
+        if self.op == "batch_norm" and self.training or self.op == "batch_norm_backward":
+            reads = "x and dy" if self.op == "batch_norm_backward" else "x"
+            lines.append(f"  passes             two-pass: a reduction pass reads {reads}, the "
+                         f"elementwise pass reads {reads} again (from L2 when it still holds it)")
+        elif self.op == "batch_norm":
+            lines.append("  passes             one read: the apply pass, coefficients from the "
+                         "running statistics")
+        else:
+            lines.append("  passes             one read: the statistics pass and its merge")
+        if self.splits:
+            lines.append(f"  splits             {self.splits} partial states a channel, merged "
+                         f"in a fixed order (deterministic)")
+        chip = []
+        if self.splits:
+            chip.append("per-thread partial states in registers, a block's folded "
+                        + ("in shared memory" if self.layout == COLUMNS else "by shuffles"))
+        if self.op != "batch_stats":
+            chip.append("per-channel coefficients " + ("in registers" if self.layout == COLUMNS
+                                                       else "read through L1"))
+        lines.append(f"  on chip            {'; '.join(chip)}")
+        for s in self.steps:
+            lines.append(f"  {s.kind:<18} {s.kernel}")
+            lines.append(f"  {'':<18} grid {s.grid} block {s.block}"
+                         + (f" smem {s.smem}" if s.smem else "") + (f": {s.what}" if s.what
+                                                                   else ""))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _occupancy(device: DeviceSpec, threads: int, smem: int = 0) -> int:
+    return max(1, device.model_occupancy(threads, smem))
+
+
+def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: DeviceSpec,
+                 tuning: Tuning, state_values: int) -> tuple[Step, int]:
+    """The partial-reduction launch (statistics or gradient sums) and its splits."""
+    a, c, b = view
+    item = ITEMSIZE[dtype]
+    csize = ITEMSIZE[_COMPUTE[dtype]]
+    u = unroll_for(pack * item)
+    threads = tuning.bn_reduce_threads
+    if threads > MAX_REDUCE_THREADS or threads % 32:
+        raise ValueError(f"plan: bn_reduce_threads {threads}: the kernels take a multiple of 32 "
+                         f"up to {MAX_REDUCE_THREADS} (kBnReduceThreads)")
+    cols = view.layout == COLUMNS
+    if cols:
+        cp = c // pack
+        tx = min(1 << max(0, (cp - 1).bit_length()), 32)
+        ty = threads // tx
+        tiles = -(-cp // tx)
+        smem = threads * pack * state_values * csize
+        per_split_cap = max(1, a // (ty * u * tuning.bn_min_packs_per_thread))
+        lanes, block = tiles, (tx, ty)
+    else:
+        bp = b // pack
+        smem = 0
+        per_split_cap = max(1, (a * bp) // (threads * u * tuning.bn_min_packs_per_thread))
+        lanes, block = c, (threads,)
+    target = device.sms * _occupancy(device, threads, smem) * tuning.bn_reduce_waves
+    splits = min(-(-target // lanes), per_split_cap, tuning.bn_max_splits, max(1, a))
+    if not cols:  # a split's packs are counted in 32 bits
+        splits = max(splits, min(a, -(-(a * (b // pack)) // 2**30)))
+    splits = max(1, splits)
+    step = Step(f"{kind}_{'cols' if cols else 'planes'}", (dtype, pack), (lanes, splits), block,
+                smem)
+    return step, splits
+
+
+def _elementwise_grid(view: ChannelView, pack: int, dtype: str, device: DeviceSpec,
+                      tuning: Tuning) -> int:
+    threads = tuning.bn_apply_threads
+    total = view.numel // pack
+    u = unroll_for(pack * ITEMSIZE[dtype])
+    need = max(1, -(-total // (threads * u)))
+    grid = min(need, device.sms * _occupancy(device, threads) * tuning.bn_apply_waves)
+    if view.layout == COLUMNS:  # a thread's channels stay fixed: grid * threads % (C/pack) == 0
+        cbp = view.channels // pack
+        q = cbp // math.gcd(cbp, threads)
+        grid = -(-grid // q) * q
+    return grid
+
+
+def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec | None = None,
+                    *, align_elems: int = 16, training: bool = True, relu: bool = False,
+                    addend: bool = False, mask: bool = False, copied: bool = False,
+                    return_stats: bool = False, signature=None) -> BatchNormPlan:
+    """The launches of ``op`` ("batch_norm", "batch_norm_backward", "batch_stats") over
+    ``view``. ``align_elems``: the largest power of two (elements) dividing every array's
+    address. ``mask``: forward: write the ReLU mask; backward: apply one to dy. ``addend``:
+    forward: add it before the ReLU; backward: also write daddend. ``return_stats``: an eval
+    forward returns mean and invstd (a finalize launch writes them; without, the apply pass
+    computes the coefficients itself). ``signature(step)``: the
+    step's kernel name expression (the family's)."""
+    if op not in OPS:
+        raise ValueError(f"plan: unknown batch-norm op {op!r}; expected one of {OPS}")
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"plan: unsupported dtype {dtype!r}")
+    device = device or DeviceSpec.h100()
+    tuning = tuning_for(device)
+    a, c, b = view
+    if view.numel == 0:
+        raise ValueError(f"plan: {op} over an empty tensor launches nothing")
+    pack = pack_for(dtype, view, align_elems)
+    if c * b // pack > INT32_MAX:
+        raise ValueError(f"plan: {op}: one sample of C * B = {c * b} elements is past the "
+                         f"kernels' 32-bit sample index")
+    compute = _COMPUTE[dtype]
+    fin = (32, tuning.bn_finalize_channels)
+    fin_grid = (-(-c // fin[1]),)
+    steps: list[Step] = []
+    splits = 0
+    cols = view.layout == COLUMNS
+    ew_grid = (_elementwise_grid(view, pack, dtype, device, tuning),)
+    ew_block = (tuning.bn_apply_threads,)
+    notes = []
+    if op in ("batch_stats",) or (op == "batch_norm" and training):
+        red, splits = _reduce_step("stats", dtype, view, pack, device, tuning, 3)
+        outs = ("mean, invstd, running stats, coefficients" if op == "batch_norm"
+                else "mean, var")
+        if splits == 1:  # a block holds whole channels: it finishes them itself
+            steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem,
+                              "per-thread shifted sums -> Welford states, folded per block; "
+                              + outs))
+        else:
+            steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem,
+                              "per-thread shifted sums -> Welford states, folded per block"))
+            steps.append(Step("finalize", (compute,), fin_grid, fin,
+                              what="Chan merge of the splits in a fixed order; " + outs))
+    elif op == "batch_norm" and return_stats:
+        steps.append(Step("finalize", (compute,), fin_grid, fin,
+                          what="mean, invstd and coefficients from the running statistics"))
+    if op == "batch_norm":
+        own = "" if training or return_stats else " (scale, shift from the running stats)"
+        steps.append(Step("apply", (dtype, pack, cols, addend), ew_grid, ew_block,
+                          what="y = (x - mean) * scale + shift" + own
+                               + (" + addend" if addend else "")
+                               + (", ReLU" if relu else "") + (", mask by ballot" if mask
+                                                                 else "")))
+    if op == "batch_norm_backward":
+        red, splits = _reduce_step("grad", dtype, view, pack, device, tuning, 2)
+        what = "sum g, sum g (x - mean)" + (" (dy masked)" if mask else "")
+        if splits == 1:  # a block holds whole channels: it finishes them itself
+            steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem,
+                              what + "; dweight, dbias, dx coefficients"))
+        else:
+            steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem, what))
+            steps.append(Step("grad_finalize", (compute,), fin_grid, fin,
+                              what="fixed-order merge; dweight, dbias, dx coefficients"))
+        steps.append(Step("dx", (dtype, pack, cols), ew_grid, ew_block,
+                          what="dx" + (" and daddend" if addend else "")
+                               + ("" if training else " (eval: x not read)")))
+    if pack * ITEMSIZE[dtype] < 16:
+        notes.append(f"{pack * ITEMSIZE[dtype]}-byte accesses: "
+                     f"{'B' if not cols else 'C'} or the alignment allows no wider")
+    if signature is not None:
+        steps = [Step(s.kind, s.targs, s.grid, s.block, s.smem, s.what, signature(s))
+                 for s in steps]
+    return BatchNormPlan(op, dtype, view, pack, tuple(steps), training=training, relu=relu,
+                         addend=addend, mask=mask, splits=splits, copied=copied,
+                         device=device.name, notes=tuple(notes))
+
+
+def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:
+    """Every (kind, template arguments) ``op`` can launch for ``dtype`` (any shape, alignment
+    or switches), from the same rules as :func:`plan_batch_norm`."""
+    packs = [p for p in (1, 2, 4, 8, 16) if p <= max_pack(dtype)]
+    compute = _COMPUTE[dtype]
+    out: list[tuple[str, tuple]] = []
+    if op in ("batch_norm", "batch_stats"):
+        out += [(k, (dtype, p)) for k in ("stats_planes", "stats_cols") for p in packs]
+        out.append(("finalize", (compute,)))
+    if op == "batch_norm":
+        out += [("apply", (dtype, p, cols, add)) for p in packs for cols in (False, True)
+                for add in (False, True)]
+    if op == "batch_norm_backward":
+        out += [(k, (dtype, p)) for k in ("grad_planes", "grad_cols") for p in packs]
+        out.append(("grad_finalize", (compute,)))
+        out += [("dx", (dtype, p, cols)) for p in packs for cols in (False, True)]
+    return out

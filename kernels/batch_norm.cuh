@@ -1,0 +1,644 @@
+// Batch norm over the channel axis of an (A, C, B) = (outer, channels, inner) dense tensor, with
+// fused add and ReLU, its ReLU bit mask, and the backward (cukern/ops/batch_norm.py: formulas).
+//
+// Memory is read as flat packs of PACK elements (16 bytes where alignment allows) in memory order;
+// the element at flat index e belongs to channel (e / B) % C. Two layouts:
+//   planes   (B > 1, B % PACK == 0: NCHW)    a pack lies in one channel's plane
+//   columns  (B == 1, C % PACK == 0: NHWC)   a pack holds PACK consecutive channels
+//
+// Kernels (the planner, cukern/plan/batch_norm.py, shapes every launch at run time):
+//   batch_norm_stats_{planes,cols}<T, PACK>       partial Welford states per (channel, split);
+//                                                 with one split, the finished channels
+//   batch_norm_finalize<C>                        fixed-order merge -> mean, invstd, running
+//                                                 stats, per-channel coefficients (or eval's)
+//   batch_norm_apply<T, PACK, COLS, ADD>          y = relu?((x - mean) * scale + shift [+ z]),
+//                                                 the ReLU mask by __ballot_sync
+//   batch_norm_grad_{planes,cols}<T, PACK>        partial (sum g, sum g * (x - mean)); with
+//                                                 one split, dweight, dbias, dx coefficients
+//   batch_norm_grad_finalize<C>                   dweight, dbias, the dx coefficients
+//   batch_norm_dx<T, PACK, COLS>                  dx (and daddend = the masked dy)
+// Every merge runs in a fixed order (no atomics): results are bitwise reproducible.
+#pragma once
+#include "memory.cuh"
+#include "reduce.cuh"
+
+// The arguments of bn::Finish, in its field order (statistics and finalize kernels).
+#define CUKERN_BN_FINISH_PARAMS(C)                                                            \
+  C count, int training, C *running_mean, C *running_var, const C *weight, const C *bias,     \
+      C momentum, C eps, C *mean_out, C *invstd_out, C *var_out, bn::Coef<C> *coef
+#define CUKERN_BN_FINISH_ARGS                                                                 \
+  count, training, running_mean, running_var, weight, bias, momentum, eps, mean_out,          \
+      invstd_out, var_out, coef
+
+// The arguments of bn::GradFinish (gradient-sum and grad-finalize kernels).
+#define CUKERN_BN_GRAD_FINISH_PARAMS(C)                                                       \
+  C count, int training, const C *invstd, const C *weight, C *dweight, C *dbias,              \
+      bn::Coef<C> *coef
+#define CUKERN_BN_GRAD_FINISH_ARGS count, training, mean, invstd, weight, dweight, dbias, coef
+
+namespace cukern {
+// The most threads a statistics or gradient-sum block has (the planner's bn_reduce_threads):
+// 64 registers a thread at 1024 would spill the 16-bit columns kernels.
+constexpr int kBnReduceThreads = 256;
+
+namespace bn {
+
+// Quotient of n < 2^31 by a run-time divisor d >= 1: (umulhi(n, m) + n) >> s, with
+// s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1 computed on the host.
+struct FastDiv {
+  unsigned d, m, s;
+  __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
+// Packs a thread keeps in flight: about 32 bytes, at most 8 packs.
+__host__ __device__ constexpr int unroll_for(int bytes) {
+  return bytes >= 32 ? 1 : (32 / bytes > 8 ? 8 : 32 / bytes);
+}
+
+template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const T* p, i64 i) {
+  Pack<T, N> pack;
+  pack.word = reinterpret_cast<const typename Pack<T, N>::word_t*>(p)[i];
+  return pack;
+}
+
+template <typename T, int N, typename C>
+__device__ __forceinline__ void store_pack(T* p, i64 i, const C* v) {
+  T e[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) e[k] = Num<T>::from(v[k]);
+  store_global(reinterpret_cast<typename Pack<T, N>::word_t*>(p) + i, WordOf<T, N>::make(e));
+}
+
+// Per-channel coefficients the elementwise passes read: forward {mean, scale, shift, -}
+// (y = (x - mean) * scale + shift), backward {mean, k1, k2, k3}
+// (dx = k1 * g + k2 * (x - mean) + k3).
+template <typename C> struct alignas(4 * sizeof(C)) Coef {
+  C mean, a, b, c;
+};
+
+// Welford's (count, mean, M2) with Chan's merge in the form that keeps the mean accurate far
+// from 0: n = na + nb, d = mb - ma, m = ma + d * nb / n, M2 = M2a + M2b + d^2 na nb / n. The
+// operands are put in a canonical order first (more values first, then by mean and M2), so
+// merge(a, b) == merge(b, a) bit for bit; an empty state merges to the other one exactly.
+template <typename C> struct Stats {
+  C n, mean, m2;
+  static __device__ __forceinline__ Stats identity() { return Stats{C(0), C(0), C(0)}; }
+  static __device__ __forceinline__ Stats merge(const Stats& x, const Stats& y) {
+    if (y.n == C(0)) return x;
+    if (x.n == C(0)) return y;
+    const bool swap = y.n > x.n || (y.n == x.n && (y.mean < x.mean ||
+                                                   (y.mean == x.mean && y.m2 < x.m2)));
+    const Stats& a = swap ? y : x;
+    const Stats& b = swap ? x : y;
+    const C n = a.n + b.n;
+    const C d = b.mean - a.mean;
+    const C f = b.n / n;
+    return Stats{n, a.mean + d * f, a.m2 + b.m2 + d * d * a.n * f};
+  }
+  __device__ __forceinline__ Stats shfl_xor(int mask) const {
+    return Stats{__shfl_xor_sync(0xffffffffu, n, mask), __shfl_xor_sync(0xffffffffu, mean, mask),
+                 __shfl_xor_sync(0xffffffffu, m2, mask)};
+  }
+};
+
+// Sums of one thread's values shifted by the first of them (k): exact enough wherever k is
+// within a few standard deviations of the mean (a value of the data always is, in practice),
+// and 3 instructions a value. stats() hands them to Chan's merges.
+template <typename C> struct Shifted {
+  C k, s1, s2;
+  int n;
+  __device__ __forceinline__ void add(C v) {
+    if (n == 0) k = v;
+    const C d = v - k;
+    s1 += d;
+    s2 += d * d;
+    n += 1;
+  }
+  __device__ __forceinline__ Stats<C> stats() const {
+    if (n == 0) return Stats<C>::identity();
+    const C cnt = static_cast<C>(n);
+    const C m = s1 / cnt;
+    const C m2 = s2 - s1 * m;
+    return Stats<C>{cnt, k + m, m2 > C(0) ? m2 : C(0)};
+  }
+};
+
+// The ReLU mask of 32 * N consecutive elements (one pack a lane, the warp's first pack
+// `first`, a multiple of 32): bit i of word w is element 32 w + i, 1 where kept (y > 0).
+// One ballot per pack element; lane w < N assembles word w.
+template <int N, typename C>
+__device__ __forceinline__ void write_mask(unsigned* mask, i64 first, const C* v, bool ok,
+                                           i64 nwords) {
+  const int lane = static_cast<int>(lane_id());
+  unsigned b[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) b[k] = __ballot_sync(0xffffffffu, ok && v[k] > C(0));
+  const i64 word0 = first * N / 32;
+  if (N == 1) {
+    if (lane == 0 && word0 < nwords) mask[word0] = b[0];
+    return;
+  }
+  constexpr int G = 32 / N;  // lanes a word
+  constexpr unsigned low = G >= 32 ? ~0u : (1u << (G % 32)) - 1u;
+  if (lane < N) {
+    unsigned word = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const unsigned bits = (b[k] >> (lane * G)) & low;
+#pragma unroll
+      for (int j = 0; j < G; ++j) word |= ((bits >> j) & 1u) << (j * N + k);
+    }
+    if (word0 + lane < nwords) mask[word0 + lane] = word;
+  }
+}
+
+// The N mask bits of the pack at flat pack index i (all in one word: 32 % N == 0).
+template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i) {
+  const i64 e = i * N;
+  return (__ldg(mask + (e >> 5)) >> (e & 31)) & ((N == 32 ? 0u : (1u << N)) - 1u);
+}
+
+// What a channel's merged statistics become (batch_norm_finalize, or a statistics kernel with
+// one split): training takes mean and the biased variance from the state, writes mean, invstd
+// (and the variance) and updates the running statistics with the unbiased variance; eval takes
+// them from the running statistics. Both write the apply pass's coefficients
+// {mean, weight * invstd, bias}. Null pointers are skipped.
+template <typename C> struct Finish {
+  C count;
+  int training;
+  C *running_mean, *running_var;
+  const C *weight, *bias;
+  C momentum, eps;
+  C *mean_out, *invstd_out, *var_out;
+  Coef<C>* coef;
+  __device__ __forceinline__ void operator()(int c, const Stats<C>& st) const {
+    C mean, var;
+    if (training) {
+      mean = st.mean;
+      var = st.m2 / count;
+    } else {
+      mean = running_mean[c];
+      var = running_var[c];
+    }
+    const C invstd = C(1) / sqrt(var + eps);
+    if (training) {
+      if (running_mean != nullptr)
+        running_mean[c] = (C(1) - momentum) * running_mean[c] + momentum * mean;
+      if (running_var != nullptr)
+        running_var[c] = (C(1) - momentum) * running_var[c] + momentum * (st.m2 / (count - C(1)));
+    }
+    if (mean_out != nullptr) mean_out[c] = mean;
+    if (invstd_out != nullptr) invstd_out[c] = invstd;
+    if (var_out != nullptr) var_out[c] = var;
+    if (coef != nullptr) {
+      const C w = weight != nullptr ? weight[c] : C(1);
+      coef[c] = Coef<C>{mean, w * invstd, bias != nullptr ? bias[c] : C(0), C(0)};
+    }
+  }
+};
+
+// A channel's forward coefficients: the finalize kernel's, or (coef null: eval without
+// statistics outputs) computed here from the running statistics, as batch_norm_finalize does.
+template <typename C> struct EvalParams {
+  const C *mean, *var, *weight, *bias;
+  C eps;
+  __device__ __forceinline__ Coef<C> operator()(const Coef<C>* coef, unsigned c) const {
+    if (coef != nullptr) return coef[c];
+    const C invstd = C(1) / sqrt(__ldg(var + c) + eps);
+    return Coef<C>{__ldg(mean + c), (weight != nullptr ? __ldg(weight + c) : C(1)) * invstd,
+                   bias != nullptr ? __ldg(bias + c) : C(0), C(0)};
+  }
+};
+
+// Reduction states of the backward: (sum g, sum g * (x - mean)).
+template <typename C> using GradSums = Sums<C, 2>;
+
+// A channel's merged gradient sums: dbias = sum g, dweight = invstd * sum g (x - mean), and the
+// dx coefficients k1 = weight * invstd, in training k2 = -k1 * invstd * dweight / n and
+// k3 = -k1 * dbias / n (eval: 0), so that dx = k1 * g + k2 * (x - mean) + k3
+// = weight * invstd * (g - dbias / n - xhat * dweight / n).
+template <typename C> struct GradFinish {
+  C count;
+  int training;
+  const C *mean, *invstd, *weight;
+  C *dweight, *dbias;
+  Coef<C>* coef;
+  __device__ __forceinline__ void operator()(int c, const GradSums<C>& st) const {
+    const C is = invstd[c];
+    const C db = st.v[0], dw = st.v[1] * is;
+    if (dweight != nullptr) dweight[c] = dw;
+    if (dbias != nullptr) dbias[c] = db;
+    const C k1 = (weight != nullptr ? weight[c] : C(1)) * is;
+    const C k2 = training ? -k1 * is * dw / count : C(0);
+    const C k3 = training ? -k1 * db / count : C(0);
+    coef[c] = Coef<C>{mean[c], k1, k2, k3};
+  }
+};
+
+// One channel's S partial states merged by a warp in a fixed order: lane l folds l, l + 32, ...
+// (8 loads in flight), then a butterfly; every lane ends with the same bits.
+template <typename S>
+__device__ __forceinline__ S fold_partials(const S* __restrict__ p, int n, int lane) {
+  S st = S::identity();
+  for (int s0 = lane; s0 < n; s0 += 32 * 8) {
+    S v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = s0 + 32 * k < n ? p[s0 + 32 * k] : S::identity();
+#pragma unroll
+    for (int k = 0; k < 8; ++k) st = S::merge(st, v[k]);  // identities merge exactly
+  }
+  return allreduce_group(st, 32);
+}
+
+// Folds a thread's column states (ROWS x cols x N in shared memory, ROWS a power of two) over
+// its rows in a fixed tree order; row 0 ends with the block's states.
+template <typename S>
+__device__ __forceinline__ void tree_over_rows(S* sm, int per_row, int row, int col, int n) {
+  for (int h = blockDim.y / 2; h > 0; h /= 2) {
+    __syncthreads();
+    if (row < h) {
+      for (int k = 0; k < n; ++k) {
+        S* a = sm + (row * per_row + col) * n + k;
+        *a = S::merge(*a, sm[((row + h) * per_row + col) * n + k]);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace bn
+
+// ---------------------------------------------------------------------------------------------
+// Statistics, planes layout: block (channel c = blockIdx.x, split s = blockIdx.y) reads the
+// planes a in [A s / S, A (s + 1) / S) of its channel, Bp packs each, as one flat run of packs.
+template <typename T, int PACK>
+__global__ void __launch_bounds__(kBnReduceThreads)
+    batch_norm_stats_planes(const T* __restrict__ x, bn::Stats<typename Num<T>::compute>* part,
+                            i64 A, int Cn, int Bp, unsigned bp_m, unsigned bp_s, int S,
+                            CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  const int c = blockIdx.x, s = blockIdx.y;
+  const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
+  const unsigned L = static_cast<unsigned>((a1 - a0) * Bp);
+  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
+  const i64 plane_stride = static_cast<i64>(Cn) * Bp;
+  const i64 first = (a0 * Cn + c) * Bp;
+  bn::Shifted<C> acc{C(0), C(0), C(0), 0};
+  const unsigned nt = blockDim.x;
+  for (unsigned j0 = threadIdx.x; j0 < L; j0 += nt * U) {
+    Pack<T, PACK> p[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned j = j0 + u * nt;
+      if (j < L) {
+        const unsigned a = div.div(j);
+        p[u] = bn::load_pack<T, PACK>(x, first + a * plane_stride + (j - a * Bp));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (j0 + u * nt < L) {
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) acc.add(pack_value(p[u], k));
+      }
+    }
+  }
+  unsigned phase = 0;
+  const bn::Stats<C> w = allreduce_block(acc.stats(), phase);
+  if (threadIdx.x != 0) return;
+  if (S == 1) {  // the whole channel: finish it here, no merge launch
+    bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, w);
+  } else {
+    part[static_cast<i64>(c) * S + s] = w;
+  }
+}
+
+// Statistics, columns layout: block (TX, TY) covers channel packs [TX blockIdx.x, +TX) over the
+// rows [A s / S, A (s + 1) / S), s = blockIdx.y; a thread keeps PACK channels' states, the block
+// folds its rows in shared memory (blockDim.x * blockDim.y * PACK states).
+template <typename T, int PACK>
+__global__ void __launch_bounds__(kBnReduceThreads)
+    batch_norm_stats_cols(const T* __restrict__ x, bn::Stats<typename Num<T>::compute>* part,
+                          i64 A, int Cp, int S, CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  const int s = blockIdx.y, tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
+  const int cp = blockIdx.x * blockDim.x + tx;
+  const bool valid = cp < Cp;
+  const i64 r0 = A * s / S, r1 = A * (s + 1) / S;
+  bn::Shifted<C> acc[PACK];
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) acc[k] = bn::Shifted<C>{C(0), C(0), C(0), 0};
+  if (valid) {
+    for (i64 r = r0 + ty; r < r1; r += static_cast<i64>(ny) * U) {
+      Pack<T, PACK> p[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 ru = r + static_cast<i64>(u) * ny;
+        if (ru < r1) p[u] = bn::load_pack<T, PACK>(x, ru * Cp + cp);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (r + static_cast<i64>(u) * ny < r1) {
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) acc[k].add(pack_value(p[u], k));
+        }
+      }
+    }
+  }
+  bn::Stats<C>* sm = dynamic_smem<bn::Stats<C>>();
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) sm[(ty * blockDim.x + tx) * PACK + k] = acc[k].stats();
+  bn::tree_over_rows(sm, blockDim.x, ty, tx, PACK);
+  if (ty == 0 && valid) {
+    const bn::Finish<C> finish{CUKERN_BN_FINISH_ARGS};
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      if (S == 1) {  // the whole channel: finish it here, no merge launch
+        finish(cp * PACK + k, sm[tx * PACK + k]);
+      } else {
+        part[static_cast<i64>(cp * PACK + k) * S + s] = sm[tx * PACK + k];
+      }
+    }
+  }
+}
+
+// Per channel (a warp each; blockDim = (32, channels a block)): training merges the S partial
+// states in a fixed order, writes mean, invstd (and the biased variance), updates the running
+// statistics with the unbiased variance; eval takes mean and variance from the running
+// statistics. Both write the coefficients {mean, weight * invstd, bias} of the apply pass.
+template <typename C>
+__global__ void __launch_bounds__(256)
+    batch_norm_finalize(const bn::Stats<C>* __restrict__ part, int S, int Cn,
+                        CUKERN_BN_FINISH_PARAMS(C)) {
+  const int c = blockIdx.x * blockDim.y + threadIdx.y;
+  if (c >= Cn) return;  // a whole warp
+  const int lane = threadIdx.x;
+  bn::Stats<C> st = bn::Stats<C>::identity();
+  if (training) st = bn::fold_partials(part + static_cast<i64>(c) * S, S, lane);
+  if (lane == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, st);
+}
+
+// y = relu?((x - mean) * scale + shift [+ addend]) over the flat packs of the tensor, grid-
+// strided (coef null: eval, the coefficients computed from running_mean, running_var, weight,
+// bias and eps as the finalize kernel would, saving its launch)
+// strided: each thread takes U packs G = gridDim.x * blockDim.x apart, so each warp covers 32
+// consecutive packs at a time (the mask's ballots). j = the pack's index within one (C, B)
+// sample (CBp packs); its channel is j / Bp (planes) or PACK j.. (columns, where the host makes
+// G a multiple of CBp, so a thread's channels never change and their coefficients stay in
+// registers). mask (or null): ceil(numel / 32) words.
+template <typename T, int PACK, bool COLS, bool ADD>
+__global__ void __launch_bounds__(256)
+    batch_norm_apply(const T* __restrict__ x, const T* __restrict__ addend,
+                     const bn::Coef<typename Num<T>::compute>* __restrict__ coef,
+                     T* __restrict__ y, unsigned* __restrict__ mask, i64 total, int CBp, int Bp,
+                     unsigned bp_m, unsigned bp_s, int relu,
+                     const typename Num<T>::compute* running_mean,
+                     const typename Num<T>::compute* running_var,
+                     const typename Num<T>::compute* weight,
+                     const typename Num<T>::compute* bias, typename Num<T>::compute eps) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  const i64 G = static_cast<i64>(gridDim.x) * blockDim.x;
+  const int lane = static_cast<int>(lane_id());
+  const i64 warp0 = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
+  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
+  const unsigned rG = static_cast<unsigned>(G % CBp);
+  unsigned j = static_cast<unsigned>((warp0 + lane) % CBp);
+  const i64 nwords = (total * PACK + 31) / 32;
+  const bn::EvalParams<C> params{running_mean, running_var, weight, bias, eps};
+  bn::Coef<C> fixed[COLS ? PACK : 1];
+  if (COLS) {
+#pragma unroll
+    for (int k = 0; k < (COLS ? PACK : 1); ++k) fixed[k] = params(coef, j * PACK + k);
+  }
+  for (i64 wb = warp0; wb < total; wb += G * U) {
+    Pack<T, PACK> xv[U], av[U];
+    unsigned ju[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 t = wb + u * G + lane;
+      ju[u] = j;
+      if (t < total) {
+        xv[u] = bn::load_pack<T, PACK>(x, t);
+        if (ADD) av[u] = bn::load_pack<T, PACK>(addend, t);
+      }
+      j += rG;
+      if (j >= static_cast<unsigned>(CBp)) j -= CBp;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 wbu = wb + u * G;
+      if (wbu >= total) break;  // the whole warp
+      const i64 t = wbu + lane;
+      const bool ok = t < total;
+      bn::Coef<C> q;
+      if (!COLS) q = params(coef, div.div(ju[u]));
+      C v[PACK];
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const bn::Coef<C>& qk = COLS ? fixed[COLS ? k : 0] : q;
+        v[k] = (pack_value(xv[u], k) - qk.mean) * qk.a + qk.b;
+        if (ADD) v[k] += pack_value(av[u], k);
+        if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
+      }
+      if (ok) bn::store_pack<T, PACK>(y, t, v);
+      if (mask != nullptr) bn::write_mask<PACK>(mask, wbu, v, ok, nwords);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward. g = dy where the mask keeps it (dy without a mask); per channel the partial sums
+// (sum g, sum g * (x - mean)), shaped as the statistics kernels.
+template <typename T, int PACK>
+__global__ void __launch_bounds__(kBnReduceThreads)
+    batch_norm_grad_planes(const T* __restrict__ dy, const T* __restrict__ x,
+                           const unsigned* __restrict__ mask,
+                           const typename Num<T>::compute* __restrict__ mean,
+                           bn::GradSums<typename Num<T>::compute>* part, i64 A, int Cn, int Bp,
+                           unsigned bp_m, unsigned bp_s, int S,
+                           CUKERN_BN_GRAD_FINISH_PARAMS(typename Num<T>::compute)) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  const int c = blockIdx.x, s = blockIdx.y;
+  const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
+  const unsigned L = static_cast<unsigned>((a1 - a0) * Bp);
+  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
+  const i64 plane_stride = static_cast<i64>(Cn) * Bp;
+  const i64 first = (a0 * Cn + c) * Bp;
+  const C m = mean[c];
+  C sg = C(0), sgx = C(0);
+  const unsigned nt = blockDim.x;
+  for (unsigned j0 = threadIdx.x; j0 < L; j0 += nt * U) {
+    Pack<T, PACK> pd[U], px[U];
+    unsigned bits[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned j = j0 + u * nt;
+      bits[u] = 0;
+      if (j < L) {
+        const unsigned a = div.div(j);
+        const i64 i = first + a * plane_stride + (j - a * Bp);
+        pd[u] = bn::load_pack<T, PACK>(dy, i);
+        px[u] = bn::load_pack<T, PACK>(x, i);
+        bits[u] = mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // bits[u] == 0 past the split: nothing added
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const bool keep = (bits[u] >> k) & 1u;
+        const C g = pack_value(pd[u], k);
+        sg += keep ? g : C(0);
+        sgx += keep ? g * (pack_value(px[u], k) - m) : C(0);
+      }
+    }
+  }
+  unsigned phase = 0;
+  const bn::GradSums<C> r = allreduce_block(bn::GradSums<C>{{sg, sgx}}, phase);
+  if (threadIdx.x != 0) return;
+  if (S == 1) {  // the whole channel: finish it here, no merge launch
+    bn::GradFinish<C>{CUKERN_BN_GRAD_FINISH_ARGS}(c, r);
+  } else {
+    part[static_cast<i64>(c) * S + s] = r;
+  }
+}
+
+template <typename T, int PACK>
+__global__ void __launch_bounds__(kBnReduceThreads)
+    batch_norm_grad_cols(const T* __restrict__ dy, const T* __restrict__ x,
+                         const unsigned* __restrict__ mask,
+                         const typename Num<T>::compute* __restrict__ mean,
+                         bn::GradSums<typename Num<T>::compute>* part, i64 A, int Cp, int S,
+                         CUKERN_BN_GRAD_FINISH_PARAMS(typename Num<T>::compute)) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  const int s = blockIdx.y, tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
+  const int cp = blockIdx.x * blockDim.x + tx;
+  const bool valid = cp < Cp;
+  const i64 r0 = A * s / S, r1 = A * (s + 1) / S;
+  C m[PACK], sg[PACK], sgx[PACK];
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) {
+    m[k] = valid ? mean[cp * PACK + k] : C(0);
+    sg[k] = sgx[k] = C(0);
+  }
+  if (valid) {
+    for (i64 r = r0 + ty; r < r1; r += static_cast<i64>(ny) * U) {
+      Pack<T, PACK> pd[U], px[U];
+      unsigned bits[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 ru = r + static_cast<i64>(u) * ny;
+        bits[u] = 0;
+        if (ru < r1) {
+          const i64 i = ru * Cp + cp;
+          pd[u] = bn::load_pack<T, PACK>(dy, i);
+          px[u] = bn::load_pack<T, PACK>(x, i);
+          bits[u] = mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // bits[u] == 0 past the split: nothing added
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) {
+          const bool keep = (bits[u] >> k) & 1u;
+          const C g = pack_value(pd[u], k);
+          sg[k] += keep ? g : C(0);
+          sgx[k] += keep ? g * (pack_value(px[u], k) - m[k]) : C(0);
+        }
+      }
+    }
+  }
+  bn::GradSums<C>* sm = dynamic_smem<bn::GradSums<C>>();
+#pragma unroll
+  for (int k = 0; k < PACK; ++k)
+    sm[(ty * blockDim.x + tx) * PACK + k] = bn::GradSums<C>{{sg[k], sgx[k]}};
+  bn::tree_over_rows(sm, blockDim.x, ty, tx, PACK);
+  if (ty == 0 && valid) {
+    const bn::GradFinish<C> finish{CUKERN_BN_GRAD_FINISH_ARGS};
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      if (S == 1) {  // the whole channel: finish it here, no merge launch
+        finish(cp * PACK + k, sm[tx * PACK + k]);
+      } else {
+        part[static_cast<i64>(cp * PACK + k) * S + s] = sm[tx * PACK + k];
+      }
+    }
+  }
+}
+
+// Per channel (a warp each): the S partial sums merged in a fixed order, then bn::GradFinish.
+template <typename C>
+__global__ void __launch_bounds__(256)
+    batch_norm_grad_finalize(const bn::GradSums<C>* __restrict__ part, int S, int Cn,
+                             const C* __restrict__ mean, CUKERN_BN_GRAD_FINISH_PARAMS(C)) {
+  const int c = blockIdx.x * blockDim.y + threadIdx.y;
+  if (c >= Cn) return;  // a whole warp
+  const int lane = threadIdx.x;
+  const bn::GradSums<C> st = bn::fold_partials(part + static_cast<i64>(c) * S, S, lane);
+  if (lane == 0) bn::GradFinish<C>{CUKERN_BN_GRAD_FINISH_ARGS}(c, st);
+}
+
+// dx = k1 * g + k2 * (x - mean) + k3 over the flat packs (as batch_norm_apply); x is not read
+// when it is null (eval: k2 = 0). daddend (or null) = g.
+template <typename T, int PACK, bool COLS>
+__global__ void __launch_bounds__(256)
+    batch_norm_dx(const T* __restrict__ dy, const T* __restrict__ x,
+                  const unsigned* __restrict__ mask,
+                  const bn::Coef<typename Num<T>::compute>* __restrict__ coef,
+                  T* __restrict__ dx, T* __restrict__ daddend, i64 total, int CBp, int Bp,
+                  unsigned bp_m, unsigned bp_s) {
+  typedef typename Num<T>::compute C;
+  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  const i64 G = static_cast<i64>(gridDim.x) * blockDim.x;
+  const int lane = static_cast<int>(lane_id());
+  const i64 warp0 = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
+  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
+  const unsigned rG = static_cast<unsigned>(G % CBp);
+  unsigned j = static_cast<unsigned>((warp0 + lane) % CBp);
+  bn::Coef<C> fixed[COLS ? PACK : 1];
+  if (COLS) {
+#pragma unroll
+    for (int k = 0; k < (COLS ? PACK : 1); ++k) fixed[k] = coef[j * PACK + k];
+  }
+  for (i64 t0 = warp0 + lane; t0 - lane < total; t0 += G * U) {
+    Pack<T, PACK> pd[U], px[U];
+    unsigned bits[U], ju[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 t = t0 + u * G;
+      ju[u] = j;
+      bits[u] = 0;
+      if (t < total) {
+        pd[u] = bn::load_pack<T, PACK>(dy, t);
+        if (x != nullptr) px[u] = bn::load_pack<T, PACK>(x, t);
+        bits[u] = mask != nullptr ? bn::mask_bits<PACK>(mask, t) : ~0u;
+      }
+      j += rG;
+      if (j >= static_cast<unsigned>(CBp)) j -= CBp;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 t = t0 + u * G;
+      if (t >= total) continue;
+      bn::Coef<C> q;
+      if (!COLS) q = coef[div.div(ju[u])];
+      C g[PACK], d[PACK];
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const bn::Coef<C>& qk = COLS ? fixed[COLS ? k : 0] : q;
+        g[k] = (bits[u] >> k) & 1u ? pack_value(pd[u], k) : C(0);
+        d[k] = qk.a * g[k] + qk.c;
+        if (x != nullptr) d[k] += qk.b * (pack_value(px[u], k) - qk.mean);
+      }
+      bn::store_pack<T, PACK>(dx, t, d);
+      if (daddend != nullptr) bn::store_pack<T, PACK>(daddend, t, g);
+    }
+  }
+}
+
+}  // namespace cukern

@@ -1,0 +1,553 @@
+"""Batch-norm tests that need no GPU: layouts from strides, the planner's choices at their
+edges, the kernels' index arithmetic (fast division, the elementwise passes' channel tracking,
+the mask's bit layout), NVRTC compilation of every reachable instantiation for sm_80 and sm_90,
+``explain``, the registry entries and the argument checks that run before any GPU work."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+
+import cukern
+from cukern import _compile, reference, registry
+from cukern._device import DeviceSpec
+from cukern.families import batch_norm as fam
+from cukern.plan import HOPPER, ITEMSIZE
+from cukern.plan import batch_norm as bp
+
+H100 = DeviceSpec.h100()
+A100 = DeviceSpec.a100()
+OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+# Every batch-norm shape of the issue's benchmark (ResNet-50 at batch 64 and 256, BatchNorm1d,
+# 5-D video)
+RESNET = [(n, c, h, h) for n in (64, 256)
+          for c, h in ((64, 112), (64, 56), (256, 56), (128, 28), (512, 28), (256, 14),
+                       (1024, 14), (512, 7), (2048, 7))]
+BN1D = [(r, c) for r in (4096, 65536) for c in (256, 1024, 4096)]
+SHAPES = RESNET + BN1D + [(8, 64, 16, 56, 56)]
+
+
+def elem_strides(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def channels_last(shape, dtype=np.float32) -> np.ndarray:
+    """A channels-last view of logical ``shape`` (memory N, spatial..., C), as PyTorch's."""
+    order = (0, *range(2, len(shape)), 1)
+    return np.empty([shape[i] for i in order], dtype).transpose(np.argsort(order))
+
+
+def plan(op, shape, dtype="float16", layout="NCHW", axis=1, device=H100, **kw):
+    strides = bp.layout_strides(shape, axis, layout)
+    view = bp.channel_view(shape, strides, axis % len(shape))
+    return bp.plan_batch_norm(op, view, dtype, device, signature=fam.name_expression, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts from strides.
+
+@pytest.mark.parametrize("shape,make,axis,expected", [
+    ((8, 3, 5, 7), np.empty, 1, (8, 3, 35)),                    # NCHW
+    ((8, 3, 5, 7), channels_last, 1, (280, 3, 1)),              # channels_last
+    ((8, 3, 4, 5, 6), channels_last, 1, (960, 3, 1)),           # 5-D channels_last
+    ((64, 256), np.empty, 1, (64, 256, 1)),                     # (N, C): columns
+    ((64, 256), np.empty, -1, (64, 256, 1)),
+    ((64, 256), np.empty, 0, (1, 64, 256)),                     # channels first: one plane each
+    ((8, 1, 5, 7), np.empty, 1, (280, 1, 1)),                   # a single channel
+    ((1, 3, 1, 7), np.empty, 1, (1, 3, 7)),                     # size-1 axes do not count
+    ((8, 3, 5, 7), lambda s: np.empty((8, 5, 3, 7)).transpose(0, 2, 1, 3), 1, (40, 3, 7)),
+    ((8, 3, 5, 7), lambda s: np.empty((3, 8, 5, 7)).transpose(1, 0, 2, 3), 1, (1, 3, 280)),
+])
+def test_channel_view_of_dense_layouts(shape, make, axis, expected):
+    a = make(shape)
+    assert a.shape == shape
+    view = bp.channel_view(a.shape, elem_strides(a), axis % a.ndim)
+    assert tuple(view) == expected
+    assert view.numel == a.size
+    # the element at flat memory index e is in channel (e // B) % C
+    chan = np.broadcast_to(np.arange(shape[axis]).reshape(
+        [-1 if i == axis % a.ndim else 1 for i in range(a.ndim)]), shape)
+    flat = np.empty(a.size, np.int64)
+    offs = sum(np.indices(shape)[i] * elem_strides(a)[i] for i in range(a.ndim))
+    flat[offs.ravel()] = chan.ravel()
+    assert (flat == (np.arange(a.size) // view.inner) % view.channels).all()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.empty((8, 6, 5, 7))[:, :3],          # a channel slice: gaps
+    lambda: np.empty((8, 3, 5, 14))[..., ::2],      # strided spatial axis
+    lambda: np.empty((8, 3, 5, 7))[::-1],           # negative stride
+    lambda: np.broadcast_to(np.empty((1, 3, 5, 7)), (8, 3, 5, 7)),  # overlapping
+])
+def test_channel_view_refuses_other_views(make):
+    a = make()
+    assert bp.channel_view(a.shape, elem_strides(a), 1) is None
+
+
+def test_layout_strides_match_numpy():
+    for shape in [(8, 3, 5, 7), (2, 4, 3, 5, 6), (16, 9)]:
+        assert bp.layout_strides(shape, 1, "NCHW") == elem_strides(np.empty(shape))
+        assert bp.layout_strides(shape, 1, "NHWC") == elem_strides(channels_last(shape))
+    with pytest.raises(ValueError, match="layout"):
+        bp.layout_strides((2, 3), 1, "NWHC")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels' index arithmetic.
+
+def test_fast_div_is_exact():
+    rnd = random.Random(5)
+    divisors = list(range(1, 600)) + [2**k + o for k in range(1, 31) for o in (-1, 0, 1)
+                                      if 2**k + o < 2**31] + [49, 196, 784, 3136, 12544, 802816]
+    divisors += [rnd.randrange(1, 2**31 - 1) for _ in range(500)]
+    for d in divisors:
+        m, s = bp.fast_div(d)
+        assert 0 < m < 2**32 and 0 <= s <= 31
+        ns = [0, 1, d - 1, d, d + 1, 2**31 - 1, 2**31 - 2] + [rnd.randrange(2**31)
+                                                                for _ in range(20)]
+        for n in ns:
+            if 0 <= n < 2**31:
+                assert (((n * m) >> 32) + n) >> s == n // d, (d, n)
+    with pytest.raises(ValueError):
+        bp.fast_div(0)
+
+
+def _elementwise_visits(plan_, view):
+    """Emulates batch_norm_apply's loop (each thread U packs G apart, j tracked by adding
+    G % CBp): (pack index, channel of its first element) for every visit."""
+    step = plan_.step("apply") or plan_.step("dx")
+    pack = plan_.pack
+    total = view.numel // pack
+    cols = view.layout == bp.COLUMNS
+    cbp = view.channels // pack if cols else view.channels * view.inner // pack
+    bpk = 1 if cols else view.inner // pack
+    m, s = bp.fast_div(bpk)
+    threads = step.block[0]
+    G = step.grid[0] * threads
+    u_n = bp.unroll_for(pack * ITEMSIZE[plan_.dtype])
+    rG = G % cbp
+    visits = []
+    for tid in range(G):
+        j = tid % cbp
+        j_first = j
+        wb = tid
+        while wb - tid % 32 < total:
+            for u in range(u_n):
+                t = wb + u * G
+                if t < total:
+                    if cols:
+                        assert j == j_first  # the coefficients a thread keeps stay right
+                        c = j * pack
+                    else:
+                        c = (((j * m) >> 32) + j) >> s
+                    visits.append((t, c))
+                j += rG
+                if j >= cbp:
+                    j -= cbp
+            wb += G * u_n
+    return visits
+
+
+@pytest.mark.parametrize("shape,layout,dtype", [
+    ((3, 5, 7, 1), "NCHW", "float32"), ((4, 6, 8, 2), "NCHW", "float16"),
+    ((9, 24, 2, 2), "NHWC", "float16"), ((7, 20, 3), "NHWC", "float32"),
+    ((5, 3), "NCHW", "float64"), ((3, 100), "NCHW", "float32"),
+])
+def test_elementwise_passes_visit_each_pack_once_with_its_channel(shape, layout, dtype):
+    p = plan("batch_norm", shape, dtype, layout)
+    view = p.view
+    visits = _elementwise_visits(p, view)
+    packs = [t for t, _ in visits]
+    assert sorted(packs) == list(range(view.numel // p.pack))
+    for t, ch in visits:
+        assert ch == (t * p.pack // view.inner) % view.channels
+
+
+@pytest.mark.parametrize("pack", [1, 2, 4, 8])
+def test_mask_words_follow_the_reference_format(pack):
+    """write_mask: lane L's element k goes to bit (L % G) * PACK + k of word L // G, G = 32 /
+    PACK (as the kernel assembles it from one ballot per k); reference.pack_mask packs the
+    same booleans."""
+    rng = np.random.default_rng(pack)
+    keep = rng.random(32 * pack) > 0.5  # one warp's 32 packs, in memory order
+    ballots = [sum(int(keep[lane * pack + k]) << lane for lane in range(32))
+               for k in range(pack)]
+    g = 32 // pack
+    words = []
+    for w in range(pack):
+        word = 0
+        for k in range(pack):
+            bits = (ballots[k] >> (w * g)) & ((1 << g) - 1)
+            for j in range(g):
+                word |= ((bits >> j) & 1) << (j * pack + k)
+        words.append(word)
+    want = reference.pack_mask(keep).view(np.uint32)
+    assert [int(v) for v in want] == words
+
+
+# ---------------------------------------------------------------------------------------------
+# Planner.
+
+@pytest.mark.parametrize("dtype,run,align,expected", [
+    ("float16", 49, 16, 1), ("float16", 196, 16, 4), ("float16", 784, 16, 8),
+    ("float16", 12544, 16, 8), ("bfloat16", 3136, 16, 8), ("float32", 49, 16, 1),
+    ("float32", 196, 16, 4), ("float32", 98, 16, 2), ("float64", 3136, 16, 2),
+    ("float16", 784, 2, 2), ("float16", 784, 1, 1), ("float32", 784, 4, 4),
+])
+def test_pack_for_planes(dtype, run, align, expected):
+    assert bp.pack_for(dtype, bp.ChannelView(8, 3, run), align) == expected
+
+
+@pytest.mark.parametrize("dtype,c,expected", [
+    ("float16", 64, 8), ("float16", 100, 4), ("float16", 3, 1), ("float32", 2048, 4),
+    ("float32", 6, 2), ("float64", 7, 1), ("bfloat16", 4096, 8),
+])
+def test_pack_for_columns(dtype, c, expected):
+    assert bp.pack_for(dtype, bp.ChannelView(1000, c, 1)) == expected
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
+    t = HOPPER
+    for op in OPS:
+        p = plan(op, shape, dtype, layout)
+        a, c, b = p.view
+        assert a * c * b == math.prod(shape)
+        assert p.layout == (bp.PLANES if b > 1 else bp.COLUMNS)
+        assert p.layout == (bp.COLUMNS if layout == "NHWC" or len(shape) == 2 else bp.PLANES)
+        red = p.steps[0]
+        assert red.kind.endswith("cols" if p.layout == bp.COLUMNS else "planes")
+        assert 1 <= p.splits <= min(t.bn_max_splits, a)
+        assert red.grid[1] == p.splits
+        blocks = red.grid[0] * red.grid[1]
+        resident = H100.sms * H100.model_occupancy(math.prod(red.block), red.smem)
+        # enough blocks for the GPU unless the splits are capped by work or by the merge
+        per_split = (a * (b // p.pack)) // (t.bn_reduce_threads * bp.unroll_for(
+            p.pack * ITEMSIZE[dtype]) * t.bn_min_packs_per_thread)
+        if p.layout == bp.PLANES and p.splits < min(t.bn_max_splits, a, max(1, per_split)):
+            assert blocks >= resident * t.bn_reduce_waves
+        assert red.smem <= 48 * 1024  # no opt-in needed
+        if op != "batch_stats":
+            ew = p.steps[-1]
+            assert ew.kind in ("apply", "dx")
+            assert ew.grid[0] <= 2**31 - 1
+            if p.layout == bp.COLUMNS:
+                assert ew.grid[0] * ew.block[0] % (c // p.pack) == 0
+        for s in p.steps:
+            assert s.kernel in fam.kernel_names(op)(dtype)
+
+
+def test_pack_is_widest_for_16_byte_runs():
+    assert plan("batch_norm", (64, 64, 112, 112), "float16").pack == 8
+    assert plan("batch_norm", (64, 64, 112, 112), "float32").pack == 4
+    assert plan("batch_norm", (64, 2048, 7, 7), "float16").pack == 1  # B = 49
+    assert plan("batch_norm", (64, 1024, 14, 14), "float16").pack == 4  # B = 196
+    assert plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC").pack == 8
+    assert plan("batch_norm", (64, 64, 112, 112), "float16", align_elems=2).pack == 2
+
+
+def test_splits_fill_the_gpu_and_respect_their_caps():
+    t = HOPPER
+    # many planes per channel, few channels: splits = ceil(target / C)
+    p = plan("batch_norm", (256, 64, 56, 56), "float16")
+    target = H100.sms * H100.model_occupancy(t.bn_reduce_threads, 0) * t.bn_reduce_waves
+    assert p.splits == -(-target // 64)
+    # many channels: one split a channel
+    assert plan("batch_norm", (64, 2048, 7, 7), "float16").splits == 1
+    # splits never exceed the outer count
+    assert plan("batch_norm", (2, 4, 1000, 1000), "float32").splits == 2
+    # tiny tensors: a split keeps work for its threads
+    assert plan("batch_norm", (4, 8, 4, 4), "float32").splits == 1
+    # columns: at most bn_max_splits
+    assert plan("batch_norm", (8, 64, 16, 56, 56), "float16", "NHWC").splits == t.bn_max_splits
+
+
+def test_planes_splits_keep_32_bit_counts():
+    # one channel's run per split must stay below 2^31 packs
+    view = bp.ChannelView(2**12, 2, 2**22)
+    p = bp.plan_batch_norm("batch_stats", view, "float32", H100)
+    per = -(-view.outer // p.splits) * (view.inner // p.pack)
+    assert per < 2**31
+
+
+def test_plan_rejects_samples_past_32_bits():
+    with pytest.raises(ValueError, match="32-bit"):
+        bp.plan_batch_norm("batch_norm", bp.ChannelView(2, 2**17, 2**15), "float16", H100,
+                           align_elems=1)
+
+
+def test_steps_per_op_and_mode():
+    kinds = lambda p: [s.kind for s in p.steps]  # noqa: E731
+    # one split a channel: the statistics kernel finishes the channels itself
+    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32")) == ["stats_planes", "apply"]
+    assert kinds(plan("batch_norm", (256, 64, 56, 56), "float32")) == [
+        "stats_planes", "finalize", "apply"]
+    assert kinds(plan("batch_norm", (65536, 256), "float16")) == [
+        "stats_cols", "finalize", "apply"]
+    assert kinds(plan("batch_norm", (64, 2048, 7, 7), "float16")) == ["stats_planes", "apply"]
+    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32", training=False)) == ["apply"]
+    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32", training=False,
+                      return_stats=True)) == ["finalize", "apply"]
+    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32", "NHWC")) == [
+        "stats_cols", "apply"]
+    assert kinds(plan("batch_norm_backward", (8, 16), "float32")) == ["grad_cols", "dx"]
+    assert kinds(plan("batch_norm_backward", (65536, 256), "float32")) == [
+        "grad_cols", "grad_finalize", "dx"]
+    assert kinds(plan("batch_norm_backward", (256, 64, 56, 56), "float32")) == [
+        "grad_planes", "grad_finalize", "dx"]
+    assert kinds(plan("batch_stats", (8, 16, 4), "float64")) == ["stats_planes"]
+    assert kinds(plan("batch_stats", (4096, 16), "float64")) == ["stats_cols", "finalize"]
+    p = plan("batch_norm", (8, 16, 4, 4), "float16", addend=True, relu=True, mask=True)
+    assert p.steps[-1].kernel == "cukern::batch_norm_apply<cukern::f16, 8, false, true>"
+    p = plan("batch_norm_backward", (256, 16, 64, 64), "bfloat16", "NHWC")
+    assert p.steps[0].kernel == "cukern::batch_norm_grad_cols<cukern::bf16, 8>"
+    assert p.steps[1].kernel == "cukern::batch_norm_grad_finalize<float>"
+    assert p.steps[2].kernel == "cukern::batch_norm_dx<cukern::bf16, 8, true>"
+    with pytest.raises(ValueError, match="unknown"):
+        bp.plan_batch_norm("batch_normal", bp.ChannelView(2, 2, 2), "float32")
+    with pytest.raises(ValueError, match="empty"):
+        bp.plan_batch_norm("batch_norm", bp.ChannelView(0, 2, 2), "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry, reachable instantiations and their compilation.
+
+def test_registry_entries():
+    for op in OPS:
+        spec = registry.get(op)
+        assert spec.family == "batch_norm" and not spec.rowwise
+        assert spec.source == "batch_norm"
+        with pytest.raises(ValueError, match="not a row-wise"):
+            registry.policy(op)
+    assert registry.get("batch-norm-backward").forward == "batch_norm"
+    # the row-wise ops are as they were
+    assert registry.get("layer_norm").rowwise and registry.get("softmax").source == "softmax"
+
+
+def test_reachable_sets_and_counts():
+    for device in (H100, A100):
+        by = registry.kernel_names(list(OPS), list(DTYPES), device)
+        assert set(by) == {"batch_norm"}
+        names = by["batch_norm"]
+        assert len(names) == 134
+        assert len(names) < 150  # the compile check's budget for the family
+    per_dtype = {dt: len(registry.kernel_names(list(OPS), [dt], H100)["batch_norm"])
+                 for dt in DTYPES}
+    # (stats x2, grad x2) per pack + apply x4 + dx x2 per pack + finalize x2
+    assert per_dtype == {"float16": 4 * 10 + 2, "bfloat16": 4 * 10 + 2,
+                         "float32": 3 * 10 + 2, "float64": 2 * 10 + 2}
+
+
+def test_reachable_covers_planner_output():
+    rnd = random.Random(11)
+    for _ in range(300):
+        nd = rnd.choice((2, 3, 4, 5))
+        shape = tuple(rnd.choice((1, 2, 3, 7, 8, 16, 49, 64, 100)) for _ in range(nd))
+        if math.prod(shape) < 2:
+            continue
+        dtype = rnd.choice(DTYPES)
+        op = rnd.choice(OPS)
+        layout = rnd.choice(("NCHW", "NHWC"))
+        kw = dict(training=rnd.random() < 0.7, relu=rnd.random() < 0.5,
+                  addend=rnd.random() < 0.5, mask=rnd.random() < 0.5,
+                  return_stats=rnd.random() < 0.5,
+                  align_elems=rnd.choice((1, 2, 4, 8, 16)))
+        p = plan(op, shape, dtype, layout, **kw)
+        reach = fam.kernel_names(op)(dtype)
+        assert set(p.kernel_names()) <= reach, (op, shape, dtype, layout, kw)
+
+
+def _compile_group(args):
+    dtype, arch = args
+    device = H100 if arch == "sm_90" else A100
+    names = registry.kernel_names(list(OPS), [dtype], device)["batch_norm"]
+    lowered = _compile.compile_check("batch_norm", sorted(names), arch)
+    return dtype, len(names), sum(1 for v in lowered.values() if v)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_reachable_instantiation_compiles(arch):
+    groups = [(dt, arch) for dt in DTYPES]
+    workers = max(1, min(len(groups), os.cpu_count() or 1))
+    with cf.ProcessPoolExecutor(workers) as pool:
+        results = list(pool.map(_compile_group, groups))
+    for dtype, n, lowered in results:
+        assert n >= 20, dtype
+        assert lowered == n, dtype
+
+
+def test_source_inlines_includes_once():
+    src = _compile.source("batch_norm")
+    assert '#include "' not in src
+    assert src.count("struct Welford") == 1
+    for kernel in ("batch_norm_stats_planes", "batch_norm_apply", "batch_norm_dx",
+                   "__ballot_sync"):
+        assert kernel in src
+
+
+# ---------------------------------------------------------------------------------------------
+# explain and argument checks.
+
+def test_explain_batch_norm():
+    p = cukern.explain("batch_norm", (64, 256, 56, 56), "float16", layout="NHWC", relu=True,
+                       addend=True)
+    text = str(p)
+    assert "columns" in text and "two-pass" in text and "stats_cols" in text
+    assert "addend, relu, mask" in text and "grid" in text and "on chip" in text
+    assert p.view == (64 * 56 * 56, 256, 1)
+    e = cukern.explain("batch_norm", (64, 256, 56, 56), "float32", training=False)
+    assert "one read" in str(e) and [s.kind for s in e.steps] == ["apply"]
+    assert "from the running stats" in str(e)
+    e = cukern.explain("batch_norm", (64, 256, 56, 56), "float32", training=False, relu=True)
+    assert "mask" not in str(e) and "ReLU" in str(e)
+    b = cukern.explain("batch_norm_backward", (64, 256), "bfloat16", relu=True, addend=True)
+    assert "dy masked" in str(b) and "daddend" in str(b)
+    s = cukern.explain("batch_stats", (8, 3, 4, 4), "float64", axis=-3)
+    assert s.view == (8, 3, 16)
+    # the row-wise ops keep their default axis
+    assert cukern.explain("softmax", (4, 8), "float32").cols == 8
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(shape=(8,)), ValueError, "at least 2"),
+    (dict(axis=4), ValueError, "out of range"),
+    (dict(layout="NWHC"), ValueError, "layout"),
+    (dict(relu=1), TypeError, "relu"),
+    (dict(shape=(0, 3, 4)), ValueError, "empty"),
+    (dict(residual=True), ValueError, "addend"),
+    (dict(dtype="int32"), TypeError, "not supported"),
+])
+def test_explain_batch_norm_errors(kw, exc, match):
+    args = dict(shape=(8, 3, 4, 4), dtype="float32")
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        cukern.explain("batch_norm", args.pop("shape"), args.pop("dtype"), **args)
+
+
+def test_host_arrays_are_refused():
+    x = np.zeros((4, 3, 2, 2), np.float32)
+    with pytest.raises(TypeError, match="x must be a CuPy array"):
+        cukern.batch_norm(x, None, None, training=True)
+    with pytest.raises(TypeError, match="x must be a CuPy array"):
+        cukern.batch_stats(x)
+    with pytest.raises(TypeError, match="x must be a CuPy array"):
+        cukern.batch_norm_backward(x, x, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# A GPU smoke check of the kernels' edges (skips without a GPU; the full GPU suite is
+# tests/test_batch_norm_gpu.py): pack widths 1..8, planes and columns, mask tails, in-place
+# running statistics, the backward through the mask, bitwise determinism.
+
+SMOKE_TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-11}
+
+
+def _order(a: np.ndarray, layout: str) -> tuple[int, ...]:
+    """The axes of ``a`` from slowest to fastest in memory for ``layout``."""
+    if layout == "NHWC" and a.ndim > 2:
+        return (0, *range(2, a.ndim), 1)
+    return tuple(range(a.ndim))
+
+
+def _host(a: np.ndarray, layout: str) -> np.ndarray:
+    order = _order(a, layout)
+    return np.ascontiguousarray(a.transpose(order)).transpose(
+        tuple(int(i) for i in np.argsort(order)))
+
+
+def _on_gpu(a: np.ndarray, layout: str):
+    import cupy as cp
+
+    order = _order(a, layout)
+    return cp.asarray(np.ascontiguousarray(a.transpose(order))).transpose(
+        tuple(int(i) for i in np.argsort(order)))
+
+
+def _to_host(a) -> np.ndarray:
+    """A CuPy array's values in its logical shape (whatever its layout)."""
+    import cupy as cp
+
+    return cp.asnumpy(cp.ascontiguousarray(a))
+
+
+def _close(got, want, dtype, what):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    err = float(np.max(np.abs(got - want))) / scale if want.size else 0.0
+    assert err <= SMOKE_TOL[dtype], (what, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,layout", [
+    ((4, 3, 5, 7), "NCHW"), ((4, 3, 5, 7), "NHWC"), ((33, 17), "NCHW"), ((64, 24), "NCHW"),
+    ((2, 8, 3, 4, 4), "NHWC"), ((3, 16, 7, 7), "NCHW"), ((5, 24, 14, 14), "NCHW"),
+    ((2, 40, 28, 28), "NHWC"), ((3, 1, 9, 9), "NCHW"),
+    ((16, 8, 32, 32), "NCHW"), ((4096, 40), "NCHW"), ((64, 8, 8, 8), "NHWC")])  # finalize
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_smoke_against_reference(shape, layout, dtype):
+    import cupy as cp
+
+    from cukern._io import np_dtype
+
+    rng = np.random.default_rng(sum(shape))
+    dt = np_dtype(dtype)
+    pdt = np.float64 if dtype == "float64" else np.float32
+    nch = shape[1]
+    xh = _host((rng.standard_normal(shape) * 2 + 1e2).astype(dt), layout)
+    zh = _host(rng.standard_normal(shape).astype(dt), layout)
+    dyh = _host(rng.standard_normal(shape).astype(dt), layout)
+    wh = (1 + 0.1 * rng.standard_normal(nch)).astype(pdt)
+    bh = (0.1 * rng.standard_normal(nch)).astype(pdt)
+    rmh, rvh = rng.standard_normal(nch).astype(pdt), (1 + rng.random(nch)).astype(pdt)
+    x, z, dy = _on_gpu(xh, layout), _on_gpu(zh, layout), _on_gpu(dyh, layout)
+    w, b, rm, rv = (cp.asarray(a) for a in (wh, bh, rmh, rvh))
+    rm_ref, rv_ref = rmh.astype(np.float64), rvh.astype(np.float64)
+    y, mean, invstd, mask = cukern.batch_norm(x, rm, rv, w, b, training=True, addend=z,
+                                              relu=True, return_stats=True)
+    yr, meanr, invr, _ = reference.batch_norm(xh, rm_ref, rv_ref, wh, bh, True, addend=zh,
+                                              relu=True, return_stats=True)
+    assert y.strides == x.strides and y.dtype == x.dtype
+    _close(_to_host(y), yr, dtype, "y")
+    _close(cp.asnumpy(mean), meanr, "float64" if dtype == "float64" else "float32", "mean")
+    _close(cp.asnumpy(invstd), invr, dtype, "invstd")
+    _close(cp.asnumpy(rm), rm_ref, dtype, "running_mean")
+    _close(cp.asnumpy(rv), rv_ref, dtype, "running_var")
+    # the mask is y > 0 of the kernel's own y, in memory order
+    assert mask.dtype == np.int32 and mask.shape == (-(-x.size // 32),)
+    keep = _to_host(y).astype(np.float64) > 0
+    want = reference.pack_mask(np.transpose(keep, _order(xh, layout)))
+    assert (cp.asnumpy(mask) == want).all()
+    # eval, fused coefficients and with the finalize launch
+    ye = cukern.batch_norm(x, rm, rv, w, b, relu=True)
+    ye2, me, ie, _ = cukern.batch_norm(x, rm, rv, w, b, relu=True, return_stats=True)
+    yer = reference.batch_norm(xh, cp.asnumpy(rm), cp.asnumpy(rv), wh, bh, False, relu=True)
+    _close(_to_host(ye), yer, dtype, "y eval")
+    assert (_to_host(ye) == _to_host(ye2)).all()
+    # backward through the mask
+    dx, dw, db, da = cukern.batch_norm_backward(dy, x, mean, invstd, w, mask=mask, addend=True)
+    dxr, dwr, dbr, dar = reference.batch_norm_backward(dyh, xh, cp.asnumpy(mean),
+                                                       cp.asnumpy(invstd), wh,
+                                                       mask=cp.asnumpy(mask), addend=True)
+    assert dx.strides == x.strides and da.strides == x.strides
+    _close(_to_host(dx), dxr, dtype, "dx")
+    _close(cp.asnumpy(dw), dwr, dtype, "dweight")
+    _close(cp.asnumpy(db), dbr, dtype, "dbias")
+    assert (_to_host(da).astype(np.float64) == dar).all()
+    # batch_stats, and bitwise determinism
+    m1, v1 = cukern.batch_stats(x)
+    m2, v2 = cukern.batch_stats(x)
+    assert (cp.asnumpy(m1) == cp.asnumpy(m2)).all() and (cp.asnumpy(v1) == cp.asnumpy(v2)).all()
+    ms, vs = reference.batch_stats(xh)
+    _close(cp.asnumpy(m1), ms, "float64" if dtype == "float64" else "float32", "batch mean")
+    _close(cp.asnumpy(v1), vs, dtype, "batch var")
+    dx2 = cukern.batch_norm_backward(dy, x, mean, invstd, w, mask=mask)[0]
+    assert (_to_host(dx2) == _to_host(dx)).all()
