@@ -95,9 +95,10 @@ def _gpu_checks(device, dtypes, seed):
 
     spec = DeviceSpec.from_device(device)
     rng = np.random.default_rng(seed)
-    ops = registry.names()
+    ops = [op for op in registry.names() if registry.get(op).rowwise]
     _warm(device, spec, ops, dtypes)
     with cp.cuda.Device(device):
+        yield from _batch_norm_checks(cp, dtypes, rng)
         for op in ops:
             for dtype in dtypes:
                 seen = set()
@@ -115,6 +116,63 @@ def _gpu_checks(device, dtypes, seed):
                         first = str(err).splitlines()[0] if str(err) else ""
                         row.update(ok=False, note=f"{type(err).__name__}: {first}")
                     yield row
+
+
+# (layout, shape (N, C, *spatial)); channels-last arrays are built as NHWC memory
+_BN_CASES = (("NCHW", (4, 6, 5, 7)), ("channels_last", (4, 8, 5, 6)), ("NC", (96, 24)))
+
+
+def _bn_input(rng, shape, dtype, layout):
+    x = rng.standard_normal(shape if layout != "channels_last" else
+                            (shape[0], *shape[2:], shape[1])) * 2 + 0.5
+    x = x.astype(np_dtype(dtype))
+    return x if layout != "channels_last" else np.moveaxis(x, -1, 1)
+
+
+def _batch_norm_checks(cp, dtypes, rng):
+    """Training batch norm with addend and ReLU (y, statistics, mask) and its backward through
+    the mask (dx, dweight, dbias, daddend), per layout, against the references."""
+    import cukern
+
+    for dtype, (layout, shape) in ((d, c) for d in dtypes for c in _BN_CASES):
+        pdt = np.float64 if dtype == "float64" else np.float32
+        x, z, dy = (_bn_input(rng, shape, dtype, layout) for _ in range(3))
+        c = shape[1]
+        w = (1 + 0.1 * rng.standard_normal(c)).astype(pdt)
+        b = (0.1 * rng.standard_normal(c)).astype(pdt)
+        ref = reference.batch_norm(x, None, None, w, b, training=True, addend=z, relu=True,
+                                   return_stats=True)
+        for op in ("batch_norm", "batch_norm_backward"):
+            row = dict(op=op, variant=f"{layout} relu+add", dtype=dtype,
+                       shape="x".join(map(str, shape)), tol=TOL[dtype])
+            try:
+                if op == "batch_norm":
+                    got = cukern.batch_norm(cp.asarray(x), None, None, cp.asarray(w),
+                                            cp.asarray(b), training=True, addend=cp.asarray(z),
+                                            relu=True, return_stats=True)
+                    ratios = [rel_error(cp.asnumpy(got[0]), ref[0])]
+                    ratios += [rel_error(cp.asnumpy(g), r) * TOL[dtype] / STAT_TOL[dtype]
+                               for g, r in zip(got[1:3], ref[1:3])]
+                    # mask bits in memory order; one may differ only where y rounds to 0
+                    y = ref[0] if layout != "channels_last" else np.moveaxis(ref[0], 1, -1)
+                    keep = reference.unpack_mask(cp.asnumpy(got[3]), y.size)
+                    wrong = keep != (y.ravel() > 0)
+                    ratios.append(0.0 if np.all(np.abs(y.ravel()[wrong]) <= 4 * TOL[dtype])
+                                  else float("inf"))
+                else:
+                    mean, invstd = (r.astype(pdt) for r in ref[1:3])
+                    want = reference.batch_norm_backward(dy, x, mean, invstd, w, mask=ref[3],
+                                                         addend=True)
+                    got = cukern.batch_norm_backward(
+                        *(cp.asarray(a) for a in (dy, x, mean, invstd, w)),
+                        mask=cp.asarray(ref[3]), addend=True)
+                    ratios = [rel_error(cp.asnumpy(g), r) for g, r in zip(got, want)]
+                row["error"] = max(ratios)
+                row["ok"] = bool(row["error"] <= TOL[dtype])
+            except Exception as err:  # a failure to compile or launch is a FAIL row
+                first = str(err).splitlines()[0] if str(err) else ""
+                row.update(ok=False, note=f"{type(err).__name__}: {first}")
+            yield row
 
 
 def _data(rng, op, shape, dtype, axis):
@@ -181,6 +239,9 @@ def _gradient_checks(seed):
     for op_spec in registry.OPS.values():
         if not op_spec.forward:
             continue
+        if not op_spec.rowwise:
+            yield _batch_norm_gradient_check(rng, op_spec)
+            continue
         op = op_spec.name
         fwd = registry.get(op_spec.forward).reference
         x = rng.standard_normal(shape)
@@ -222,6 +283,32 @@ def _gradient_checks(seed):
         row["error"] = max(errors)
         row["ok"] = row["error"] <= row["tol"]
         yield row
+
+
+def _batch_norm_gradient_check(rng, op_spec) -> dict:
+    """Training batch norm's backward reference (dx, dweight, dbias) against central
+    differences of sum(dy * y) over x, weight and bias."""
+    shape, h = (4, 3, 5), 1e-6
+    x, dy, v = (rng.standard_normal(shape) for _ in range(3))
+    w, b = 1 + 0.1 * rng.standard_normal(3), 0.1 * rng.standard_normal(3)
+    vw, vb = rng.standard_normal(3), rng.standard_normal(3)
+
+    def loss(z, ww, bb):
+        return float(np.sum(dy * reference.batch_norm(z, None, None, ww, bb, training=True)))
+
+    _, mean, invstd, _ = reference.batch_norm(x, None, None, w, b, training=True,
+                                              return_stats=True)
+    dx, dw, db = op_spec.reference(dy, x, mean, invstd, w)
+    errors = []
+    for grad, d, point in ((dx, v, lambda t: (x + t * v, w, b)),
+                           (dw, vw, lambda t: (x, w + t * vw, b)),
+                           (db, vb, lambda t: (x, w, b + t * vb))):
+        fd = (loss(*point(h)) - loss(*point(-h))) / (2 * h)
+        an = float(np.sum(grad * d))
+        errors.append(abs(fd - an) / max(abs(an), 1e-12))
+    err = max(errors)
+    return dict(op=op_spec.name, variant="reference vs finite diff", dtype="float64",
+                shape="x".join(map(str, shape)), error=err, tol=1e-6, ok=bool(err <= 1e-6))
 
 
 def _property_checks(seed):

@@ -1,7 +1,7 @@
 """The ``cukern`` command line: cukern's ops on arrays in ``.npy``/``.npz`` files, and tools.
 
-The op commands (:mod:`cukern.cli.ops`: softmax, layer-norm, rms-norm) run on files of any
-size, in chunks; the tools (:mod:`cukern.cli.tools`: explain, info, bench, selftest,
+The op commands (:mod:`cukern.cli.ops`: softmax, layer-norm, rms-norm, batch-norm) run on
+files of any size, in chunks; the tools (:mod:`cukern.cli.tools`: explain, info, bench, selftest,
 precompile) read the op list from :mod:`cukern.registry`. What they share, the error policy
 included, is in :mod:`cukern.cli.common`.
 
@@ -15,7 +15,7 @@ import click
 
 from .. import __version__
 from .common import HELP
-from .ops import layer_norm_cmd, rms_norm_cmd, softmax_cmd
+from .ops import batch_norm_cmd, layer_norm_cmd, rms_norm_cmd, softmax_cmd
 from .tools import bench_cmd, explain_cmd, info_cmd, precompile_cmd, selftest_cmd
 
 __all__ = ["main", "app"]
@@ -48,7 +48,7 @@ def app(ctx: click.Context, debug: bool) -> None:
     ctx.ensure_object(dict)["debug"] = debug
 
 
-for _cmd in (softmax_cmd, layer_norm_cmd, rms_norm_cmd,
+for _cmd in (softmax_cmd, layer_norm_cmd, rms_norm_cmd, batch_norm_cmd,
              explain_cmd, info_cmd, bench_cmd, selftest_cmd, precompile_cmd):
     app.add_command(_cmd)
 
