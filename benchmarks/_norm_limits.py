@@ -55,8 +55,9 @@ def _time(label: str, op: str, dtype: str, rows: int, cols: int, weight: bool, b
 
     import cukern
     from cukern import _bench
+    from cukern._io import np_dtype
 
-    dt = np.dtype(_bench._np_dtype(dtype))
+    dt = np.dtype(np_dtype(dtype))
     n_sets = 2
     xs = [cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dt)
           for _ in range(n_sets)]

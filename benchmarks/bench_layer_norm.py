@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 import cukern  # noqa: E402
 from cukern import _bench  # noqa: E402
 from cukern._device import DeviceSpec  # noqa: E402
+from cukern._io import np_dtype  # noqa: E402
 from cukern.ops import layer_norm as ln  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -216,7 +217,7 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
     results, copy_cache = [], {}
     _bench.warm_up()
     for name in dtypes:
-        dtype = _bench._np_dtype(name)
+        dtype = np_dtype(name)
         item = np.dtype(dtype).itemsize
         for cols in cols_list:
             rows = rows_fn(cols)
