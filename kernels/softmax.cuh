@@ -63,10 +63,52 @@ template <typename T, int PACK, bool CLUSTER> struct CachedRegs {
   static constexpr int value = sizeof(T) == 8   ? 64
                                : sizeof(T) == 4 ? (kWide ? 48 : 40)
                                                 : (kWide ? (CLUSTER ? 48 : 40) : 32);
+  static constexpr bool kHold = value >= 48 && sizeof(T) < 8;  // held row pointers (below)
 };
 
 #define CUKERN_LAYOUT_ARGS(p) i64 p##_outer, i64 p##_inner, i64 p##_col
 #define CUKERN_LAYOUT(p) Layout<STRIDED>{p##_outer, p##_inner, p##_col, inner}
+
+// ---------------------------------------------------------------------------------------------
+// Addressing in the cached kernels' loops over a row's packs. With the block size a run-time
+// value, each pack's address is its own, and ptxas folded the row's 64-bit offset into every one
+// of them, recomputing it (and reloading the base pointer) for each access: 5-10 instructions a
+// pack (sm_90 SASS, NVRTC 13), where the block size as a template argument had one address and
+// immediate offsets. With HOLD, `held` computes a view's row pointer once and keeps it (opaque
+// to that reassociation; still a global pointer: LDG/STG, not generic accesses), and pack_at /
+// store_pack address pack q off it with one 32-bit index (IMAD.WIDE): 1 instruction a pack, two
+// registers a pointer. Kernels under a 40-register cap take HOLD = false (held pointers spill
+// 12-20 bytes there; CachedRegs::kHold), and so does double (more spills at 64).
+template <typename T> constexpr bool kGradHold = sizeof(T) < 8;  // the backward (64 registers)
+template <bool HOLD, typename V> __device__ __forceinline__ V held(V v) {
+  if constexpr (HOLD) {
+    asm("mov.b64 %0, %0;" : "+l"(v.ptr));
+    __builtin_assume(__isGlobal(v.ptr));
+  }
+  return v;
+}
+template <int PACK, bool HOLD, typename T, typename C, bool STRIDED>
+__device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED>& lr, int q) {
+  if constexpr (STRIDED || !HOLD) {
+    return lr.template raw<PACK>(0, q * PACK);
+  } else {
+    Pack<T, PACK> v;
+    v.word = reinterpret_cast<const typename Pack<T, PACK>::word_t*>(lr.ptr)[q];
+    return v;
+  }
+}
+template <int PACK, bool HOLD, typename C, typename T, bool STRIDED>
+__device__ __forceinline__ void store_pack(const Store<C, T, STRIDED>& sr, int q, const C* v) {
+  if constexpr (STRIDED || !HOLD) {
+    sr.template store<PACK>(v, 0, q * PACK);
+  } else {
+    T e[PACK];
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) e[i] = Num<T>::from(v[i]);
+    store_global(reinterpret_cast<typename Pack<T, PACK>::word_t*>(sr.ptr) + q,
+                 WordOf<T, PACK>::make(e));
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Warp kernel. Block (width, 128 / width); thread group y owns RPA rows at a time; lane l of the
@@ -91,21 +133,53 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
     const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
     C buf[RPA][CPT];
     Maxes<C, RPA> m;
+    if constexpr (RPA > 1 && sizeof(T) < 8) {
+      // Every pack of every row loaded before any is used, and unconditionally: a row past the
+      // end reads the last row, a column past the end column 0, and the values are then
+      // replaced (-inf). Guarded, the loads of the log-softmax's rows compiled to branches, and
+      // the first max of one row waited for its loads before the next row's were issued. One
+      // row a pass keeps the guarded loads (no such wait; held raw, many small packs took up to
+      // three times the registers), and so does double (spills).
+      Pack<T, PACK> raw[RPA][NP];
 #pragma unroll
-    for (int r = 0; r < RPA; ++r) {
-      const bool valid = row0 + r < rows;
-      const Load<T, C, STRIDED> lr = ld.from_row(row0 + r);
-      m.v[r] = -Math<C>::inf();
+      for (int r = 0; r < RPA; ++r) {
+        const Load<T, C, STRIDED> lr = ld.from_row(min(row0 + r, rows - 1));
 #pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const int col = (p * width + lane) * PACK;
-        if (valid && col < cols) {
-          lr.template load<PACK>(buf[r] + p * PACK, 0, col);
-        } else {
-#pragma unroll
-          for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = -Math<C>::inf();
+        for (int p = 0; p < NP; ++p) {
+          const int col = (p * width + lane) * PACK;
+          raw[r][p] = lr.template raw<PACK>(0, col < cols ? col : 0);
         }
       }
+#pragma unroll
+      for (int r = 0; r < RPA; ++r) {
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const bool ok = row0 + r < rows && (p * width + lane) * PACK < cols;
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) {
+            buf[r][p * PACK + i] = ok ? pack_value(raw[r][p], i) : -Math<C>::inf();
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPA; ++r) {
+        const Load<T, C, STRIDED> lr = ld.from_row(row0 + r);
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const int col = (p * width + lane) * PACK;
+          if (row0 + r < rows && col < cols) {
+            lr.template load<PACK>(buf[r] + p * PACK, 0, col);
+          } else {
+#pragma unroll
+            for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = -Math<C>::inf();
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPA; ++r) {
+      m.v[r] = -Math<C>::inf();
 #pragma unroll
       for (int i = 0; i < CPT; ++i) m.v[r] = max_nan(m.v[r], buf[r][i]);
     }
@@ -214,12 +288,12 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
 
 // Pass 1 for one row: its packs [p0, p1) into shared memory; returns this thread's online
 // (max, sum) state.
-template <int PACK, typename T, typename C, bool STRIDED>
+template <int PACK, bool HOLD, typename T, typename C, bool STRIDED>
 __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
                                                   Pack<T, PACK>* cache, i64 row, int p0, int p1) {
   constexpr int U = 4;  // packs in flight per thread
   const int stride = blockDim.x;
-  const Load<T, C, STRIDED> lr = ld.from_row(row);
+  const Load<T, C, STRIDED> lr = held<HOLD>(ld.from_row(row));
   MaxSum<C> ms = MaxSum<C>::identity();
   // U packs a step, each guarded: a thread with fewer than U packs left still has all of them
   // in flight at once (a plain remainder loop would wait for each in turn).
@@ -227,7 +301,7 @@ __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
     Pack<T, PACK> v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (p + u * stride < p1) v[u] = lr.template raw<PACK>(0, (p + u * stride) * PACK);
+      if (p + u * stride < p1) v[u] = pack_at<PACK, HOLD>(lr, p + u * stride);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -248,7 +322,7 @@ __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
 // loop: each thread reads its next-row packs into registers and writes out its current-row
 // packs from the slots they then take over, so reads and writes stay in flight together and
 // blocks that started in step do not stay in step.
-template <int ALGO, int PACK, typename T, typename C, bool STRIDED, typename Reduce>
+template <int ALGO, int PACK, bool HOLD, typename T, typename C, bool STRIDED, typename Reduce>
 __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
                                                const Store<C, T, STRIDED>& st, i64 rows, i64 row,
                                                i64 row_step, int p0, int p1, Reduce reduce) {
@@ -257,21 +331,21 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
   const int stride = blockDim.x;
   P* const cache = dynamic_smem<P>();
   if (row >= rows) return;  // uniform across the block (and the cluster)
-  MaxSum<C> ms = softmax_fill<PACK>(ld, cache, row, p0, p1);
+  MaxSum<C> ms = softmax_fill<PACK, HOLD>(ld, cache, row, p0, p1);
   for (;;) {
     const i64 next = row + row_step;
     const bool more = next < rows;  // uniform
     ms = reduce(ms, !more);
     const C m = ms.m, rc = row_constant<ALGO>(ms.d);
-    const Load<T, C, STRIDED> ln = ld.from_row(next);
-    const Store<C, T, STRIDED> sr = st.from_row(row);
+    const Load<T, C, STRIDED> ln = held<HOLD>(ld.from_row(next));
+    const Store<C, T, STRIDED> sr = held<HOLD>(st.from_row(row));
     MaxSum<C> ms_next = MaxSum<C>::identity();
     for (int p = p0 + threadIdx.x; p < p1; p += U * stride) {
       P nv[U];
       if (more) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          if (p + u * stride < p1) nv[u] = ln.template raw<PACK>(0, (p + u * stride) * PACK);
+          if (p + u * stride < p1) nv[u] = pack_at<PACK, HOLD>(ln, p + u * stride);
         }
       }
 #pragma unroll
@@ -281,7 +355,7 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
         C out[PACK];
 #pragma unroll
         for (int i = 0; i < PACK; ++i) out[i] = softmax_out<ALGO, T>(pack_value(v, i), m, rc);
-        sr.template store<PACK>(out, 0, (p + u * stride) * PACK);
+        store_pack<PACK, HOLD>(sr, p + u * stride, out);
       }
       if (more) {
 #pragma unroll
@@ -309,9 +383,9 @@ __global__ void __maxnreg__((CachedRegs<T, PACK, false>::value))
 softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                    CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
-  softmax_cached<ALGO, PACK>(Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)},
-                             Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows, blockIdx.x,
-                             gridDim.x, 0, cols / PACK, BlockReduce());
+  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, false>::kHold>(
+      Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
+      blockIdx.x, gridDim.x, 0, cols / PACK, BlockReduce());
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
@@ -323,10 +397,9 @@ softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_A
   typedef typename Num<T>::compute C;
   int p0, p1;
   cluster_pack_range(cols / PACK, CLUSTER, cluster_rank(), p0, p1);
-  softmax_cached<ALGO, PACK>(Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)},
-                             Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
-                             blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1,
-                             ClusterReduce<CLUSTER>());
+  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, true>::kHold>(
+      Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
+      blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1, ClusterReduce<CLUSTER>());
 }
 #endif
 
@@ -353,22 +426,55 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
     const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
     C yb[RPA][CPT], db[RPA][CPT];
     Sums<C, RPA> s;
+    if constexpr (RPA > 1 && PACK * sizeof(T) == 16 && sizeof(T) < 8) {
+      // As in softmax_warp: every load issued, unconditionally, before any is used (0 past the
+      // end). One row a pass, packs under 16 bytes and double keep the guarded loads: there,
+      // unconditional loads of the log-softmax's y (not in its sum) were issued after the first
+      // adds of dy, or sunk past the all-reduce into the stores' branch.
+      Pack<T, PACK> ry[RPA][NP], rdy[RPA][NP];
 #pragma unroll
-    for (int r = 0; r < RPA; ++r) {
-      const bool valid = row0 + r < rows;
-      const Load<T, C, STRIDED> ly = ld_y.from_row(row0 + r), ldy = ld_dy.from_row(row0 + r);
-      s.v[r] = C(0);
+      for (int r = 0; r < RPA; ++r) {
+        const i64 row = min(row0 + r, rows - 1);
+        const Load<T, C, STRIDED> ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
 #pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const int col = (p * width + lane) * PACK;
-        if (valid && col < cols) {
-          ly.template load<PACK>(yb[r] + p * PACK, 0, col);
-          ldy.template load<PACK>(db[r] + p * PACK, 0, col);
-        } else {
-#pragma unroll
-          for (int i = 0; i < PACK; ++i) yb[r][p * PACK + i] = db[r][p * PACK + i] = C(0);
+        for (int p = 0; p < NP; ++p) {
+          const int col = (p * width + lane) * PACK, c = col < cols ? col : 0;
+          ry[r][p] = ly.template raw<PACK>(0, c);
+          rdy[r][p] = ldy.template raw<PACK>(0, c);
         }
       }
+#pragma unroll
+      for (int r = 0; r < RPA; ++r) {
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const bool ok = row0 + r < rows && (p * width + lane) * PACK < cols;
+#pragma unroll
+          for (int i = 0; i < PACK; ++i) {
+            yb[r][p * PACK + i] = ok ? pack_value(ry[r][p], i) : C(0);
+            db[r][p * PACK + i] = ok ? pack_value(rdy[r][p], i) : C(0);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPA; ++r) {
+        const Load<T, C, STRIDED> ly = ld_y.from_row(row0 + r), ldy = ld_dy.from_row(row0 + r);
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+          const int col = (p * width + lane) * PACK;
+          if (row0 + r < rows && col < cols) {
+            ly.template load<PACK>(yb[r] + p * PACK, 0, col);
+            ldy.template load<PACK>(db[r] + p * PACK, 0, col);
+          } else {
+#pragma unroll
+            for (int i = 0; i < PACK; ++i) yb[r][p * PACK + i] = db[r][p * PACK + i] = C(0);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPA; ++r) {
+      s.v[r] = C(0);
 #pragma unroll
       for (int i = 0; i < CPT; ++i) s.v[r] += grad_term<ALGO>(yb[r][i], db[r][i]);
     }
@@ -401,15 +507,16 @@ __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
                                                i64 row, int p0, int p1) {
   constexpr int U = 2;  // pairs of packs in flight per thread
   const int stride = blockDim.x;
-  const Load<T, C, STRIDED> ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
+  const Load<T, C, STRIDED> ly = held<kGradHold<T>>(ld_y.from_row(row));
+  const Load<T, C, STRIDED> ldy = held<kGradHold<T>>(ld_dy.from_row(row));
   C s = C(0);
   int p = p0 + threadIdx.x;
   for (; p + (U - 1) * stride < p1; p += U * stride) {
     Pack<T, PACK> a[U], b[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      a[u] = ly.template raw<PACK>(0, (p + u * stride) * PACK);
-      b[u] = ldy.template raw<PACK>(0, (p + u * stride) * PACK);
+      a[u] = pack_at<PACK, kGradHold<T>>(ly, p + u * stride);
+      b[u] = pack_at<PACK, kGradHold<T>>(ldy, p + u * stride);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -422,8 +529,8 @@ __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
     }
   }
   for (; p < p1; p += stride) {
-    const Pack<T, PACK> a = ly.template raw<PACK>(0, p * PACK);
-    const Pack<T, PACK> b = ldy.template raw<PACK>(0, p * PACK);
+    const Pack<T, PACK> a = pack_at<PACK, kGradHold<T>>(ly, p);
+    const Pack<T, PACK> b = pack_at<PACK, kGradHold<T>>(ldy, p);
     cache_y[p - p0].word = a.word;
     cache_dy[p - p0].word = b.word;
 #pragma unroll
@@ -452,8 +559,9 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
     const i64 next = row + row_step;
     const bool more = next < rows;  // uniform
     s = reduce(Sums<C, 1>{{s}}, !more).v[0];
-    const Load<T, C, STRIDED> ny = ld_y.from_row(next), ndy = ld_dy.from_row(next);
-    const Store<C, T, STRIDED> sr = st.from_row(row);
+    const Load<T, C, STRIDED> ny = held<kGradHold<T>>(ld_y.from_row(next));
+    const Load<T, C, STRIDED> ndy = held<kGradHold<T>>(ld_dy.from_row(next));
+    const Store<C, T, STRIDED> sr = held<kGradHold<T>>(st.from_row(row));
     C s_next = C(0);
     int p = p0 + threadIdx.x;
     for (; p + (U - 1) * stride < p1; p += U * stride) {
@@ -461,8 +569,8 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
       if (more) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          na[u] = ny.template raw<PACK>(0, (p + u * stride) * PACK);
-          nb[u] = ndy.template raw<PACK>(0, (p + u * stride) * PACK);
+          na[u] = pack_at<PACK, kGradHold<T>>(ny, p + u * stride);
+          nb[u] = pack_at<PACK, kGradHold<T>>(ndy, p + u * stride);
         }
       }
 #pragma unroll
@@ -473,7 +581,7 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
         for (int i = 0; i < PACK; ++i) {
           out[i] = grad_out<ALGO, T>(pack_value(a, i), pack_value(b, i), s);
         }
-        sr.template store<PACK>(out, 0, (p + u * stride) * PACK);
+        store_pack<PACK, kGradHold<T>>(sr, p + u * stride, out);
       }
       if (more) {
 #pragma unroll
@@ -490,8 +598,8 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
     for (; p < p1; p += stride) {
       P na, nb;
       if (more) {
-        na = ny.template raw<PACK>(0, p * PACK);
-        nb = ndy.template raw<PACK>(0, p * PACK);
+        na = pack_at<PACK, kGradHold<T>>(ny, p);
+        nb = pack_at<PACK, kGradHold<T>>(ndy, p);
       }
       const P a = cache_y[p - p0], b = cache_dy[p - p0];
       C out[PACK];
@@ -499,7 +607,7 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
       for (int i = 0; i < PACK; ++i) {
         out[i] = grad_out<ALGO, T>(pack_value(a, i), pack_value(b, i), s);
       }
-      sr.template store<PACK>(out, 0, p * PACK);
+      store_pack<PACK, kGradHold<T>>(sr, p, out);
       if (more) {
         cache_y[p - p0].word = na.word;
         cache_dy[p - p0].word = nb.word;
