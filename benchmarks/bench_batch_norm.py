@@ -181,16 +181,7 @@ def _jax_fn(mode, sets, axis_last: bool):
     else:
         f = jax.jit(lambda x, w, b, z: norm(x, w, b, z, train, relu))
         call = lambda i: f(j[i]["x"], j[i]["w"], j[i]["b"], j[i].get("z"))  # noqa: E731
-    last = []
-
-    def run(i):
-        last[:] = [call(i)]
-
-    def sync():
-        if last:
-            jax.block_until_ready(last[0])
-
-    return run, sync
+    return _bench.jax_pipelined(call)
 
 
 def sweep(modes, dtypes, shape_list, reps: int, peers=("torch", "jax")) -> list[dict]:

@@ -200,16 +200,7 @@ def _jax_fn(op: str, sets, cols: int):
     else:
         f = jax.jit(lambda x, r, w, b: (norm(x + r, w, b), x + r))
         call = lambda i: f(j[i]["x"], j[i]["r"], j[i]["w"], j[i]["b"])  # noqa: E731
-    last = []
-
-    def run(i):
-        last[:] = [call(i)]
-
-    def sync():
-        if last:
-            jax.block_until_ready(last[0])
-
-    return run, sync
+    return _bench.jax_pipelined(call)
 
 
 def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list[dict]:

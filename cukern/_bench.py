@@ -19,7 +19,8 @@ import numpy as np
 from . import registry
 from ._io import np_dtype
 
-__all__ = ["sweep", "plot", "time_gpu", "time_wall", "host_overhead_us", "OPS", "default_cols"]
+__all__ = ["sweep", "plot", "time_gpu", "time_wall", "jax_pipelined", "host_overhead_us", "OPS",
+           "default_cols"]
 
 # The ops sweep() times: the softmax family (the norms have their own benchmark).
 OPS = tuple(name for name, spec in registry.OPS.items() if spec.family == "softmax")
@@ -164,22 +165,32 @@ def _peer_fns(op: str, peer: str, xs, dys):
         g = jax.nn.softmax if op == "softmax" else jax.nn.log_softmax
         # one jitted call over every input set: its dispatch cost is shared by n_sets kernels
         f = jax.jit(lambda *a: [g(x, axis=-1) for x in a])
-        last = []
-
-        def run():
-            last[:] = [f(*jx)]
-
-        def sync():
-            if last:
-                jax.block_until_ready(last[0])
-
-        return lambda reps: time_wall(run, sync, n_sets, reps)
+        run, sync = jax_pipelined(lambda _: f(*jx))
+        return lambda reps: time_wall(lambda: run(0), sync, n_sets, reps)
     if peer == "cupyx" and op in ("softmax", "log_softmax"):
         import cupyx.scipy.special as sp
 
         g = sp.softmax if op == "softmax" else sp.log_softmax
         return stream(lambda i: g(xs[i], axis=-1))
     return None
+
+
+def jax_pipelined(call: Callable[[int], object]):
+    """(run, sync) for :func:`time_wall` around a JAX call ``call(i)``: ``run`` only enqueues
+    (JAX dispatches asynchronously) and keeps the latest result; ``sync`` blocks on it, so a
+    batch of calls is timed back to back, without a host round trip per call."""
+    import jax
+
+    last = []
+
+    def run(i):
+        last[:] = [call(i)]
+
+    def sync():
+        if last:
+            jax.block_until_ready(last[0])
+
+    return run, sync
 
 
 def copy_ms(nbytes: int, reps: int = 30) -> float:
