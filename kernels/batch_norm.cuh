@@ -3,7 +3,12 @@
 //
 // Memory is read as flat packs of PACK elements (16 bytes where alignment allows) in memory order;
 // the element at flat index e belongs to channel (e / B) % C. Two layouts:
-//   planes   (B > 1, B % PACK == 0: NCHW)    a pack lies in one channel's plane
+//   planes   (B > 1: NCHW)                   a pack lies in one channel's plane, or where B
+//                                            is not a multiple of PACK (7x7, 14x14 in 16-byte
+//                                            packs: C * B % PACK == 0, B >= PACK) spans two:
+//                                            reductions skip the other plane's elements
+//                                            (bn::plane_bits), elementwise passes take both
+//                                            channels' coefficients (bn::plane_span)
 //   columns  (B == 1, C % PACK == 0: NHWC)   a pack holds PACK consecutive channels
 //
 // Kernels (the planner, cukern/plan/batch_norm.py, shapes every launch at run time):
@@ -50,9 +55,16 @@ struct FastDiv {
   __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, m) + n) >> s; }
 };
 
-// Packs a thread keeps in flight: about 32 bytes, at most 8 packs.
+// Packs a thread of an elementwise pass keeps in flight: about 32 bytes, at most 8 packs.
 __host__ __device__ constexpr int unroll_for(int bytes) {
   return bytes >= 32 ? 1 : (32 / bytes > 8 ? 8 : 32 / bytes);
+}
+
+// Packs a thread of a reduction keeps in flight: about 64 bytes (4 packs of 16 bytes), at most
+// 16 packs. Reductions run fewer blocks than the elementwise passes (few partial states), so
+// each thread loads more at a time.
+__host__ __device__ constexpr int unroll_reduce(int bytes) {
+  return bytes >= 64 ? 1 : (64 / bytes > 16 ? 16 : 64 / bytes);
 }
 
 template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const T* p, i64 i) {
@@ -210,6 +222,37 @@ template <typename C> struct EvalParams {
   }
 };
 
+// Where a planes pack of an elementwise pass lies: j (the pack's index within its sample)
+// times upp units, d units a plane (div.d). upp = 1: units are packs (B % PACK == 0, d = B /
+// PACK), the whole pack in one channel; upp = PACK: units are elements (d = B >= PACK, B not a
+// multiple of PACK, C * B < 2^31), the first n0 elements in channel c0, the rest in c0 + 1.
+struct PlaneSpan {
+  unsigned c0;
+  int n0;
+};
+__device__ __forceinline__ PlaneSpan plane_span(const FastDiv& div, unsigned j, unsigned upp,
+                                                int pack) {
+  const unsigned e = j * upp;
+  const unsigned c0 = div.div(e);
+  const unsigned left = div.d - (e - c0 * div.d);
+  return PlaneSpan{c0, upp == 1u ? pack : (left < static_cast<unsigned>(pack)
+                                               ? static_cast<int>(left) : pack)};
+}
+
+// The planes reductions read a channel's plane of B elements (from flat element `start`) as the
+// W packs from start / PACK on: W = B / PACK where PACK divides B (start is then a multiple of
+// PACK), else W = (B + 2 PACK - 2) / PACK, enough wherever the plane starts within its first
+// pack. The bits of pack w's elements that lie in the plane, given off = w PACK - start % PACK
+// (the pack's first element relative to the plane's): all PACK bits inside it, some at its
+// ends (the neighbouring planes' elements are skipped), 0 past it (the pack is not read).
+template <int PACK> __device__ __forceinline__ unsigned plane_bits(int off, int B) {
+  const int lo = off < 0 ? -off : 0;
+  const int hi = B - off < PACK ? B - off : PACK;
+  if (hi <= lo) return 0u;
+  return ((1u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+template <int PACK> constexpr unsigned kFullPack = PACK >= 32 ? ~0u : (1u << PACK) - 1u;
+
 // Reduction states of the backward: (sum g, sum g * (x - mean)).
 template <typename C> using GradSums = Sums<C, 2>;
 
@@ -270,37 +313,47 @@ __device__ __forceinline__ void tree_over_rows(S* sm, int per_row, int row, int 
 
 // ---------------------------------------------------------------------------------------------
 // Statistics, planes layout: block (channel c = blockIdx.x, split s = blockIdx.y) reads the
-// planes a in [A s / S, A (s + 1) / S) of its channel, Bp packs each, as one flat run of packs.
+// planes a in [A s / S, A (s + 1) / S) of its channel, W packs each (bn::plane_bits), as one
+// flat run of packs.
 template <typename T, int PACK>
 __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_stats_planes(const T* __restrict__ x, bn::Stats<typename Num<T>::compute>* part,
-                            i64 A, int Cn, int Bp, unsigned bp_m, unsigned bp_s, int S,
+                            i64 A, int Cn, int B, int W, unsigned w_m, unsigned w_s, int S,
                             CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
   const int c = blockIdx.x, s = blockIdx.y;
   const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
-  const unsigned L = static_cast<unsigned>((a1 - a0) * Bp);
-  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
-  const i64 plane_stride = static_cast<i64>(Cn) * Bp;
-  const i64 first = (a0 * Cn + c) * Bp;
+  const unsigned L = static_cast<unsigned>((a1 - a0) * W);
+  const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
+  const i64 plane_stride = static_cast<i64>(Cn) * B;
+  const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
   bn::Shifted<C> acc{C(0), C(0), C(0), 0};
   const unsigned nt = blockDim.x;
   for (unsigned j0 = threadIdx.x; j0 < L; j0 += nt * U) {
     Pack<T, PACK> p[U];
+    unsigned in[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const unsigned j = j0 + u * nt;
+      in[u] = 0;
       if (j < L) {
-        const unsigned a = div.div(j);
-        p[u] = bn::load_pack<T, PACK>(x, first + a * plane_stride + (j - a * Bp));
+        const unsigned a = div.div(j), w = j - a * W;
+        const i64 start = first + a * plane_stride;
+        in[u] = bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
+                                     static_cast<int>(start % PACK), B);
+        if (in[u] != 0u) p[u] = bn::load_pack<T, PACK>(x, start / PACK + w);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (j0 + u * nt < L) {
+      if (in[u] == bn::kFullPack<PACK>) {
 #pragma unroll
         for (int k = 0; k < PACK; ++k) acc.add(pack_value(p[u], k));
+      } else if (in[u] != 0u) {  // a plane's end packs (B not a multiple of PACK)
+#pragma unroll
+        for (int k = 0; k < PACK; ++k)
+          if ((in[u] >> k) & 1u) acc.add(pack_value(p[u], k));
       }
     }
   }
@@ -322,7 +375,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_stats_cols(const T* __restrict__ x, bn::Stats<typename Num<T>::compute>* part,
                           i64 A, int Cp, int S, CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
   const int s = blockIdx.y, tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
   const int cp = blockIdx.x * blockDim.x + tx;
   const bool valid = cp < Cp;
@@ -380,20 +433,21 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, st);
 }
 
-// y = relu?((x - mean) * scale + shift [+ addend]) over the flat packs of the tensor, grid-
-// strided (coef null: eval, the coefficients computed from running_mean, running_var, weight,
-// bias and eps as the finalize kernel would, saving its launch)
-// strided: each thread takes U packs G = gridDim.x * blockDim.x apart, so each warp covers 32
-// consecutive packs at a time (the mask's ballots). j = the pack's index within one (C, B)
-// sample (CBp packs); its channel is j / Bp (planes) or PACK j.. (columns, where the host makes
-// G a multiple of CBp, so a thread's channels never change and their coefficients stay in
-// registers). mask (or null): ceil(numel / 32) words.
+// y = relu?((x - mean) * scale + shift [+ addend]) over the flat packs of the tensor (coef
+// null: eval, the coefficients computed from running_mean, running_var, weight, bias and eps
+// as the finalize kernel would, saving its launch), grid-strided: each thread takes U packs
+// G = gridDim.x * blockDim.x apart, so each warp covers 32 consecutive packs at a time (the
+// mask's ballots); the grid is about one wave, so a thread loops over many packs. j = the
+// pack's index within one (C, B) sample (CBp packs); its channels are bn::plane_span(j)
+// (planes: one, or two where B is not a multiple of PACK) or PACK j.. (columns, where the host
+// makes G a multiple of CBp, so a thread's channels never change and their coefficients,
+// loaded once, stay in registers). mask (or null): ceil(numel / 32) words.
 template <typename T, int PACK, bool COLS, bool ADD>
 __global__ void __launch_bounds__(256)
     batch_norm_apply(const T* __restrict__ x, const T* __restrict__ addend,
                      const bn::Coef<typename Num<T>::compute>* __restrict__ coef,
-                     T* __restrict__ y, unsigned* __restrict__ mask, i64 total, int CBp, int Bp,
-                     unsigned bp_m, unsigned bp_s, int relu,
+                     T* __restrict__ y, unsigned* __restrict__ mask, i64 total, int CBp, int d,
+                     unsigned d_m, unsigned d_s, unsigned upp, int relu,
                      const typename Num<T>::compute* running_mean,
                      const typename Num<T>::compute* running_var,
                      const typename Num<T>::compute* weight,
@@ -403,7 +457,7 @@ __global__ void __launch_bounds__(256)
   const i64 G = static_cast<i64>(gridDim.x) * blockDim.x;
   const int lane = static_cast<int>(lane_id());
   const i64 warp0 = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
-  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
+  const bn::FastDiv div{static_cast<unsigned>(d), d_m, d_s};
   const unsigned rG = static_cast<unsigned>(G % CBp);
   unsigned j = static_cast<unsigned>((warp0 + lane) % CBp);
   const i64 nwords = (total * PACK + 31) / 32;
@@ -433,12 +487,18 @@ __global__ void __launch_bounds__(256)
       if (wbu >= total) break;  // the whole warp
       const i64 t = wbu + lane;
       const bool ok = t < total;
-      bn::Coef<C> q;
-      if (!COLS) q = params(coef, div.div(ju[u]));
+      bn::Coef<C> q0, q1;
+      int n0 = PACK;
+      if (!COLS) {
+        const bn::PlaneSpan sp = bn::plane_span(div, ju[u], upp, PACK);
+        n0 = sp.n0;
+        q0 = params(coef, sp.c0);
+        q1 = n0 < PACK ? params(coef, sp.c0 + 1) : q0;
+      }
       C v[PACK];
 #pragma unroll
       for (int k = 0; k < PACK; ++k) {
-        const bn::Coef<C>& qk = COLS ? fixed[COLS ? k : 0] : q;
+        const bn::Coef<C> qk = COLS ? fixed[COLS ? k : 0] : (k < n0 ? q0 : q1);
         v[k] = (pack_value(xv[u], k) - qk.mean) * qk.a + qk.b;
         if (ADD) v[k] += pack_value(av[u], k);
         if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
@@ -457,17 +517,17 @@ __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_grad_planes(const T* __restrict__ dy, const T* __restrict__ x,
                            const unsigned* __restrict__ mask,
                            const typename Num<T>::compute* __restrict__ mean,
-                           bn::GradSums<typename Num<T>::compute>* part, i64 A, int Cn, int Bp,
-                           unsigned bp_m, unsigned bp_s, int S,
+                           bn::GradSums<typename Num<T>::compute>* part, i64 A, int Cn, int B,
+                           int W, unsigned w_m, unsigned w_s, int S,
                            CUKERN_BN_GRAD_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
   const int c = blockIdx.x, s = blockIdx.y;
   const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
-  const unsigned L = static_cast<unsigned>((a1 - a0) * Bp);
-  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
-  const i64 plane_stride = static_cast<i64>(Cn) * Bp;
-  const i64 first = (a0 * Cn + c) * Bp;
+  const unsigned L = static_cast<unsigned>((a1 - a0) * W);
+  const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
+  const i64 plane_stride = static_cast<i64>(Cn) * B;
+  const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
   const C m = mean[c];
   C sg = C(0), sgx = C(0);
   const unsigned nt = blockDim.x;
@@ -479,15 +539,20 @@ __global__ void __launch_bounds__(kBnReduceThreads)
       const unsigned j = j0 + u * nt;
       bits[u] = 0;
       if (j < L) {
-        const unsigned a = div.div(j);
-        const i64 i = first + a * plane_stride + (j - a * Bp);
-        pd[u] = bn::load_pack<T, PACK>(dy, i);
-        px[u] = bn::load_pack<T, PACK>(x, i);
-        bits[u] = mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u;
+        const unsigned a = div.div(j), w = j - a * W;
+        const i64 start = first + a * plane_stride;
+        const unsigned in = bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
+                                                 static_cast<int>(start % PACK), B);
+        if (in != 0u) {
+          const i64 i = start / PACK + w;
+          pd[u] = bn::load_pack<T, PACK>(dy, i);
+          px[u] = bn::load_pack<T, PACK>(x, i);
+          bits[u] = in & (mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u);
+        }
       }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {  // bits[u] == 0 past the split: nothing added
+    for (int u = 0; u < U; ++u) {  // bits[u] == 0 past the split or the plane: nothing added
 #pragma unroll
       for (int k = 0; k < PACK; ++k) {
         const bool keep = (bits[u] >> k) & 1u;
@@ -515,7 +580,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
                          bn::GradSums<typename Num<T>::compute>* part, i64 A, int Cp, int S,
                          CUKERN_BN_GRAD_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
   const int s = blockIdx.y, tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
   const int cp = blockIdx.x * blockDim.x + tx;
   const bool valid = cp < Cp;
@@ -590,14 +655,14 @@ __global__ void __launch_bounds__(256)
     batch_norm_dx(const T* __restrict__ dy, const T* __restrict__ x,
                   const unsigned* __restrict__ mask,
                   const bn::Coef<typename Num<T>::compute>* __restrict__ coef,
-                  T* __restrict__ dx, T* __restrict__ daddend, i64 total, int CBp, int Bp,
-                  unsigned bp_m, unsigned bp_s) {
+                  T* __restrict__ dx, T* __restrict__ daddend, i64 total, int CBp, int d,
+                  unsigned d_m, unsigned d_s, unsigned upp) {
   typedef typename Num<T>::compute C;
   constexpr int U = bn::unroll_for(PACK * sizeof(T));
   const i64 G = static_cast<i64>(gridDim.x) * blockDim.x;
   const int lane = static_cast<int>(lane_id());
   const i64 warp0 = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
-  const bn::FastDiv div{static_cast<unsigned>(Bp), bp_m, bp_s};
+  const bn::FastDiv div{static_cast<unsigned>(d), d_m, d_s};
   const unsigned rG = static_cast<unsigned>(G % CBp);
   unsigned j = static_cast<unsigned>((warp0 + lane) % CBp);
   bn::Coef<C> fixed[COLS ? PACK : 1];
@@ -625,17 +690,23 @@ __global__ void __launch_bounds__(256)
     for (int u = 0; u < U; ++u) {
       const i64 t = t0 + u * G;
       if (t >= total) continue;
-      bn::Coef<C> q;
-      if (!COLS) q = coef[div.div(ju[u])];
-      C g[PACK], d[PACK];
+      bn::Coef<C> q0, q1;
+      int n0 = PACK;
+      if (!COLS) {
+        const bn::PlaneSpan sp = bn::plane_span(div, ju[u], upp, PACK);
+        n0 = sp.n0;
+        q0 = coef[sp.c0];
+        q1 = n0 < PACK ? coef[sp.c0 + 1] : q0;
+      }
+      C g[PACK], r[PACK];
 #pragma unroll
       for (int k = 0; k < PACK; ++k) {
-        const bn::Coef<C>& qk = COLS ? fixed[COLS ? k : 0] : q;
+        const bn::Coef<C> qk = COLS ? fixed[COLS ? k : 0] : (k < n0 ? q0 : q1);
         g[k] = (bits[u] >> k) & 1u ? pack_value(pd[u], k) : C(0);
-        d[k] = qk.a * g[k] + qk.c;
-        if (x != nullptr) d[k] += qk.b * (pack_value(px[u], k) - qk.mean);
+        r[k] = qk.a * g[k] + qk.c;
+        if (x != nullptr) r[k] += qk.b * (pack_value(px[u], k) - qk.mean);
       }
-      bn::store_pack<T, PACK>(dx, t, d);
+      bn::store_pack<T, PACK>(dx, t, r);
       if (daddend != nullptr) bn::store_pack<T, PACK>(daddend, t, g);
     }
   }

@@ -120,14 +120,13 @@ def test_fast_div_is_exact():
 
 def _elementwise_visits(plan_, view):
     """Emulates batch_norm_apply's loop (each thread U packs G apart, j tracked by adding
-    G % CBp): (pack index, channel of its first element) for every visit."""
+    G % CBp, bn::plane_span): (pack index, channel of each of its elements) for every visit."""
     step = plan_.step("apply") or plan_.step("dx")
     pack = plan_.pack
-    total = view.numel // pack
+    assert step.targs[1] == pack
     cols = view.layout == bp.COLUMNS
-    cbp = view.channels // pack if cols else view.channels * view.inner // pack
-    bpk = 1 if cols else view.inner // pack
-    m, s = bp.fast_div(bpk)
+    total, cbp, d, m, s, upp = bp.flat_args(plan_)
+    assert total == view.numel // pack
     threads = step.block[0]
     G = step.grid[0] * threads
     u_n = bp.unroll_for(pack * ITEMSIZE[plan_.dtype])
@@ -143,10 +142,15 @@ def _elementwise_visits(plan_, view):
                 if t < total:
                     if cols:
                         assert j == j_first  # the coefficients a thread keeps stay right
-                        c = j * pack
-                    else:
-                        c = (((j * m) >> 32) + j) >> s
-                    visits.append((t, c))
+                        chans = [j * pack + k for k in range(pack)]
+                    else:  # bn::plane_span
+                        e = j * upp
+                        assert e < 2**31
+                        c0 = (((e * m) >> 32) + e) >> s
+                        left = d - (e - c0 * d)
+                        n0 = pack if upp == 1 else min(left, pack)
+                        chans = [c0 if k < n0 else c0 + 1 for k in range(pack)]
+                    visits.append((t, chans))
                 j += rG
                 if j >= cbp:
                     j -= cbp
@@ -158,15 +162,81 @@ def _elementwise_visits(plan_, view):
     ((3, 5, 7, 1), "NCHW", "float32"), ((4, 6, 8, 2), "NCHW", "float16"),
     ((9, 24, 2, 2), "NHWC", "float16"), ((7, 20, 3), "NHWC", "float32"),
     ((5, 3), "NCHW", "float64"), ((3, 100), "NCHW", "float32"),
+    # B not a multiple of the 16-byte pack: packs spanning two planes
+    ((3, 16, 7, 7), "NCHW", "float16"), ((5, 8, 14, 14), "NCHW", "float16"),
+    ((2, 12, 3, 3), "NCHW", "float32"), ((4, 6, 5, 5), "NCHW", "bfloat16"),
 ])
 def test_elementwise_passes_visit_each_pack_once_with_its_channel(shape, layout, dtype):
-    p = plan("batch_norm", shape, dtype, layout)
-    view = p.view
-    visits = _elementwise_visits(p, view)
-    packs = [t for t, _ in visits]
-    assert sorted(packs) == list(range(view.numel // p.pack))
-    for t, ch in visits:
-        assert ch == (t * p.pack // view.inner) % view.channels
+    for op in ("batch_norm", "batch_norm_backward"):
+        p = plan(op, shape, dtype, layout)
+        view = p.view
+        pack = p.pack
+        visits = _elementwise_visits(p, view)
+        packs = [t for t, _ in visits]
+        assert sorted(packs) == list(range(view.numel // pack))
+        for t, chans in visits:
+            assert chans == [((t * pack + k) // view.inner) % view.channels
+                             for k in range(pack)]
+
+
+def test_flat_pack_for_small_planes():
+    view = bp.ChannelView(64, 2048, 49)
+    assert bp.pack_for("float16", view) == 1
+    assert bp.flat_pack_for("float16", view) == 8  # 2048 * 49 % 8 == 0, 49 >= 8
+    assert bp.flat_pack_for("float16", view, align_elems=4) == 4
+    assert bp.flat_pack_for("float16", bp.ChannelView(64, 1024, 196)) == 8
+    assert bp.flat_pack_for("float32", bp.ChannelView(64, 3, 49)) == 1  # 147 is odd
+    assert bp.flat_pack_for("float16", bp.ChannelView(64, 8, 4)) == 4  # B < 8
+    assert bp.flat_pack_for("float16", bp.ChannelView(64, 8, 1)) == 8  # columns: pack_for
+    assert bp.flat_pack_for("float16", bp.ChannelView(2, 2**26, 49)) == 1  # C * B >= 2^31
+    p = plan("batch_norm", (64, 2048, 7, 7), "float16")
+    assert p.pack == 8
+    assert p.steps[0].targs == ("float16", 8)
+    assert p.steps[-1].targs == ("float16", 8, False, False)
+    assert bp.flat_args(p) == (64 * 2048 * 49 // 8, 2048 * 49 // 8, 49,
+                               *bp.fast_div(49), 8)
+    assert bp.plane_packs(49, 8) == 7 and bp.plane_packs(196, 8) == 26
+    assert bp.plane_packs(784, 8) == 98 and bp.plane_packs(49, 1) == 49
+
+
+def _plane_bits(off, b, pack):
+    lo, hi = max(0, -off), min(pack, b - off)
+    return 0 if hi <= lo else ((1 << hi) - 1) & ~((1 << lo) - 1)
+
+
+@pytest.mark.parametrize("view,dtype", [
+    (bp.ChannelView(5, 16, 49), "float16"), (bp.ChannelView(3, 8, 196), "float16"),
+    (bp.ChannelView(4, 12, 9), "float32"), (bp.ChannelView(6, 6, 25), "bfloat16"),
+    (bp.ChannelView(3, 4, 64), "float16"), (bp.ChannelView(7, 3, 5), "float32"),
+    (bp.ChannelView(300, 16, 49), "float16"),
+])
+def test_planes_reductions_read_each_channel_element_once(view, dtype):
+    """Emulates batch_norm_{stats,grad}_planes' loop over a split's W packs a plane
+    (bn::plane_bits): every element of channel c is counted exactly once, no other's."""
+    for op in ("batch_stats", "batch_norm_backward"):
+        p = bp.plan_batch_norm(op, view, dtype, H100)
+        a_n, c_n, b = view
+        pack, s_n = p.pack, p.splits
+        w_n = bp.plane_packs(b, pack)
+        m, sh = bp.fast_div(w_n)
+        numel = view.numel
+        assert numel % pack == 0
+        for c in range(c_n):
+            seen = []
+            for s in range(s_n):
+                a0, a1 = a_n * s // s_n, a_n * (s + 1) // s_n
+                first = (a0 * c_n + c) * b
+                for j in range((a1 - a0) * w_n):
+                    a = (((j * m) >> 32) + j) >> sh
+                    w = j - a * w_n
+                    start = first + a * c_n * b
+                    bits = _plane_bits(w * pack - start % pack, b, pack)
+                    if bits:
+                        i = start // pack + w
+                        assert 0 <= i < numel // pack
+                        seen += [i * pack + k for k in range(pack) if (bits >> k) & 1]
+            want = [(a * c_n + c) * b + e for a in range(a_n) for e in range(b)]
+            assert sorted(seen) == want
 
 
 @pytest.mark.parametrize("pack", [1, 2, 4, 8])
@@ -230,10 +300,18 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
         blocks = red.grid[0] * red.grid[1]
         resident = H100.sms * H100.model_occupancy(math.prod(red.block), red.smem)
         # enough blocks for the GPU unless the splits are capped by work or by the merge
-        per_split = (a * (b // p.pack)) // (t.bn_reduce_threads * bp.unroll_for(
+        per_split = (a * bp.plane_packs(b, p.pack)) // (t.bn_reduce_threads * bp.unroll_reduce(
             p.pack * ITEMSIZE[dtype]) * t.bn_min_packs_per_thread)
-        if p.layout == bp.PLANES and p.splits < min(t.bn_max_splits, a, max(1, per_split)):
+        values = 2 if op == "batch_norm_backward" else 3
+        cap = bp.partial_cap(p.view, dtype, values, t)
+        if p.layout == bp.PLANES and p.splits < min(t.bn_max_splits, a, max(1, per_split),
+                                                    cap):
             assert blocks >= resident * t.bn_reduce_waves
+        # partial states: at most 1/bn_partial_fraction of the bytes read (or one split)
+        state = values * ITEMSIZE["float32"]
+        if p.splits > 1:
+            assert c * p.splits * state * t.bn_partial_fraction <= (
+                p.view.numel * ITEMSIZE[dtype] * (2 if values == 2 else 1))
         assert red.smem <= 48 * 1024  # no opt-in needed
         if op != "batch_stats":
             ew = p.steps[-1]
@@ -241,6 +319,8 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
             assert ew.grid[0] <= 2**31 - 1
             if p.layout == bp.COLUMNS:
                 assert ew.grid[0] * ew.block[0] % (c // p.pack) == 0
+                # a few waves (rounded up to whole samples of packs)
+                assert ew.grid[0] < H100.sms * t.bn_apply_blocks_per_sm_cols + c // p.pack
         for s in p.steps:
             assert s.kernel in fam.kernel_names(op)(dtype)
 
@@ -248,8 +328,10 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
 def test_pack_is_widest_for_16_byte_runs():
     assert plan("batch_norm", (64, 64, 112, 112), "float16").pack == 8
     assert plan("batch_norm", (64, 64, 112, 112), "float32").pack == 4
-    assert plan("batch_norm", (64, 2048, 7, 7), "float16").pack == 1  # B = 49
-    assert plan("batch_norm", (64, 1024, 14, 14), "float16").pack == 4  # B = 196
+    # B = 49, 196: 16-byte packs spanning two planes (C * B % 8 == 0)
+    assert plan("batch_norm", (64, 2048, 7, 7), "float16").pack == 8
+    assert plan("batch_norm", (64, 1024, 14, 14), "float16").pack == 8
+    assert plan("batch_norm", (64, 3, 7, 7), "float16").pack == 1  # C * B odd
     assert plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC").pack == 8
     assert plan("batch_norm", (64, 64, 112, 112), "float16", align_elems=2).pack == 2
 
@@ -266,15 +348,20 @@ def test_splits_fill_the_gpu_and_respect_their_caps():
     assert plan("batch_norm", (2, 4, 1000, 1000), "float32").splits == 2
     # tiny tensors: a split keeps work for its threads
     assert plan("batch_norm", (4, 8, 4, 4), "float32").splits == 1
-    # columns: at most bn_max_splits
-    assert plan("batch_norm", (8, 64, 16, 56, 56), "float16", "NHWC").splits == t.bn_max_splits
+    # columns: at most bn_max_splits, in whole waves of resident blocks
+    p = plan("batch_norm", (8, 64, 16, 56, 56), "float16", "NHWC")
+    resident = H100.sms * t.bn_cols_reduce_blocks_per_sm
+    assert p.splits == min(t.bn_max_splits, resident * t.bn_reduce_waves)
+    p = plan("batch_norm", (64, 512, 28, 28), "float16", "NHWC")  # 2 tiles, capped by traffic
+    assert p.splits * 2 == resident and p.splits <= bp.partial_cap(p.view, "float16", 3, t)
+    assert plan("batch_norm", (10**6, 8), "float32").splits <= t.bn_max_splits
 
 
 def test_planes_splits_keep_32_bit_counts():
     # one channel's run per split must stay below 2^31 packs
     view = bp.ChannelView(2**12, 2, 2**22)
     p = bp.plan_batch_norm("batch_stats", view, "float32", H100)
-    per = -(-view.outer // p.splits) * (view.inner // p.pack)
+    per = -(-view.outer // p.splits) * bp.plane_packs(view.inner, p.pack)
     assert per < 2**31
 
 

@@ -280,19 +280,15 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
             finish = (sdt(a_ * inner), np.int32(training), ist, _arg(w_k), dwt, dbs, coef)
             red = steps[0]
             if plan.layout == bnplan.PLANES:
-                bp = inner // plan.pack
-                mg, sh = bnplan.fast_div(bp)
                 red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch),
-                    np.int32(bp), np.uint32(mg), np.uint32(sh), np.int32(plan.splits),
-                    *finish)
+                    *_plane_args(plan), np.int32(plan.splits), *finish)
             else:
                 red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch // plan.pack),
                     np.int32(plan.splits), *finish)
             if steps[1].kind == "grad_finalize":
                 steps[1](part, np.int32(plan.splits), np.int32(ch), mu, *finish)
-            total, cbp, bp, mg, sh = _flat_args(plan, view)
-            steps[-1](dyw, xw if training else _NULL, _arg(m), coef, dx, _arg(da), total, cbp,
-                      bp, mg, sh)
+            steps[-1](dyw, xw if training else _NULL, _arg(m), coef, dx, _arg(da),
+                      *_flat_args(plan))
             _last["batch_norm_backward"] = plan
         if wdt != dwt.dtype:
             dwt, dbs = dwt.astype(wdt), dbs.astype(wdt)
@@ -400,31 +396,32 @@ def _stats(step, xw, plan, view, finish):
     if plan.splits > 1:
         part = c.cp.empty((ch, plan.splits, 3), _stat_dtype(plan.dtype))
     if plan.layout == bnplan.PLANES:
-        bp = inner // plan.pack
-        mg, sh = bnplan.fast_div(bp)
-        step(xw, _arg(part), np.int64(a_), np.int32(ch), np.int32(bp), np.uint32(mg),
-             np.uint32(sh), np.int32(plan.splits), *finish)
+        step(xw, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
+             np.int32(plan.splits), *finish)
     else:
         step(xw, _arg(part), np.int64(a_), np.int32(ch // plan.pack), np.int32(plan.splits),
              *finish)
     return part
 
 
-def _flat_args(plan, view):
-    a_, ch, inner = view
-    total = view.numel // plan.pack
-    if plan.layout == bnplan.PLANES:
-        bp = inner // plan.pack
-        cbp = ch * bp
-    else:
-        bp = 1
-        cbp = ch // plan.pack
-    mg, sh = bnplan.fast_div(bp)
-    return np.int64(total), np.int32(cbp), np.int32(bp), np.uint32(mg), np.uint32(sh)
+def _plane_args(plan):
+    """The planes reductions' (B, W, w_m, w_s): elements and packs a plane (bnplan.plane_packs)
+    and the fast_div constants of W."""
+    inner = plan.view.inner
+    w = bnplan.plane_packs(inner, plan.pack)
+    mg, sh = bnplan.fast_div(w)
+    return np.int32(inner), np.int32(w), np.uint32(mg), np.uint32(sh)
+
+
+def _flat_args(plan):
+    """The elementwise kernels' (total, CBp, d, d_m, d_s, upp) (bnplan.flat_args)."""
+    total, cbp, d, mg, sh, upp = bnplan.flat_args(plan)
+    return (np.int64(total), np.int32(cbp), np.int32(d), np.uint32(mg), np.uint32(sh),
+            np.uint32(upp))
 
 
 def _elementwise(step, plan, view, x, z, coef, y, mask, *tail):
-    step(x, z, coef, y, mask, *_flat_args(plan, view), *tail)
+    step(x, z, coef, y, mask, *_flat_args(plan), *tail)
 
 
 # ---------------------------------------------------------------------------------------------

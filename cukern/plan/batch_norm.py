@@ -28,8 +28,8 @@ from .common import ITEMSIZE
 from .policy import Tuning, tuning_for
 
 __all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strides",
-           "fast_div", "pack_for",
-           "unroll_for", "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
+           "fast_div", "pack_for", "flat_pack_for", "plane_packs", "flat_args", "partial_cap",
+           "unroll_for", "unroll_reduce", "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
 
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
 INT32_MAX = 2**31 - 1
@@ -114,8 +114,15 @@ def fast_div(d: int) -> tuple[int, int]:
 
 
 def unroll_for(pack_bytes: int) -> int:
-    """Packs a thread keeps in flight (the kernels' bn::unroll_for): about 32 bytes, at most 8."""
+    """Packs a thread of an elementwise pass keeps in flight (the kernels' bn::unroll_for):
+    about 32 bytes, at most 8."""
     return 1 if pack_bytes >= 32 else min(8, 32 // pack_bytes)
+
+
+def unroll_reduce(pack_bytes: int) -> int:
+    """Packs a thread of a reduction keeps in flight (bn::unroll_reduce): about 64 bytes, at
+    most 16."""
+    return 1 if pack_bytes >= 64 else min(16, 64 // pack_bytes)
 
 
 def max_pack(dtype: str) -> int:
@@ -128,6 +135,22 @@ def pack_for(dtype: str, view: ChannelView, align_elems: int = 16) -> int:
     run = view.inner if view.layout == PLANES else view.channels
     p = max_pack(dtype)
     while p > 1 and (run % p or align_elems % p):
+        p //= 2
+    return p
+
+
+def flat_pack_for(dtype: str, view: ChannelView, align_elems: int = 16) -> int:
+    """The plan's pack: :func:`pack_for`, or for planes whose B it leaves below 16 bytes (7x7,
+    14x14) the widest pack that divides C * B (no pack spans two samples) and the alignment,
+    with B >= the pack (a pack spans at most two planes) and C * B < 2^31 (the elementwise
+    kernels' element index within a sample). Reductions then read W = :func:`plane_packs`
+    packs a plane and skip the neighbouring planes' elements."""
+    pack = pack_for(dtype, view, align_elems)
+    a, c, b = view
+    if view.layout != PLANES or c * b > INT32_MAX:
+        return pack
+    p = max_pack(dtype)
+    while p > pack and ((c * b) % p or align_elems % p or b < p):
         p //= 2
     return p
 
@@ -193,6 +216,9 @@ class BatchNormPlan:
         if self.copied:
             lines.append("  copy               the input is not dense: copied to C order first")
         lines.append(f"  pack_size          {self.pack} ({self.pack * item} bytes per access)")
+        if self.layout == PLANES and b % self.pack:
+            lines.append(f"  spanning packs     B = {b} is not a multiple of {self.pack}: a pack "
+                         f"may span two planes (reductions skip the other's elements)")
         fused = [n for n, on in (("addend", self.addend), ("relu", self.relu),
                                  ("mask", self.mask)) if on]
         if fused:
@@ -236,7 +262,7 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
     a, c, b = view
     item = ITEMSIZE[dtype]
     csize = ITEMSIZE[_COMPUTE[dtype]]
-    u = unroll_for(pack * item)
+    u = unroll_reduce(pack * item)
     threads = tuning.bn_reduce_threads
     if threads > MAX_REDUCE_THREADS or threads % 32:
         raise ValueError(f"plan: bn_reduce_threads {threads}: the kernels take a multiple of 32 "
@@ -251,18 +277,38 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         per_split_cap = max(1, a // (ty * u * tuning.bn_min_packs_per_thread))
         lanes, block = tiles, (tx, ty)
     else:
-        bp = b // pack
+        bp = plane_packs(b, pack)
         smem = 0
         per_split_cap = max(1, (a * bp) // (threads * u * tuning.bn_min_packs_per_thread))
         lanes, block = c, (threads,)
-    target = device.sms * _occupancy(device, threads, smem) * tuning.bn_reduce_waves
-    splits = min(-(-target // lanes), per_split_cap, tuning.bn_max_splits, max(1, a))
+    occupancy = _occupancy(device, threads, smem)
+    if cols:
+        occupancy = min(occupancy, tuning.bn_cols_reduce_blocks_per_sm)
+    resident = device.sms * occupancy
+    target = resident * tuning.bn_reduce_waves
+    splits = min(-(-target // lanes), per_split_cap, tuning.bn_max_splits, max(1, a),
+                 partial_cap(view, dtype, state_values, tuning))
+    if cols and lanes * splits > resident:  # whole waves: no tail wave of a few blocks
+        splits = max(1, (lanes * splits // resident) * resident // lanes)
     if not cols:  # a split's packs are counted in 32 bits
-        splits = max(splits, min(a, -(-(a * (b // pack)) // 2**30)))
+        splits = max(splits, min(a, -(-(a * plane_packs(b, pack)) // 2**30)))
     splits = max(1, splits)
+    if not cols and splits == 1:  # small channels (7x7): blocks only as wide as their work
+        need = max(1, (a * bp) // (u * tuning.bn_min_packs_per_thread))
+        block = (min(threads, max(64, 1 << (need - 1).bit_length())),)
     step = Step(f"{kind}_{'cols' if cols else 'planes'}", (dtype, pack), (lanes, splits), block,
                 smem)
     return step, splits
+
+
+def partial_cap(view: ChannelView, dtype: str, state_values: int, tuning: Tuning) -> int:
+    """The most splits whose partial states (C x splits x state) stay within
+    1 / bn_partial_fraction of the bytes the reduction reads (x; x and dy for the gradient
+    sums, state_values == 2)."""
+    reads = 2 if state_values == 2 else 1
+    state = state_values * ITEMSIZE[_COMPUTE[dtype]]
+    return max(1, view.per_channel * ITEMSIZE[dtype] * reads
+               // (tuning.bn_partial_fraction * state))
 
 
 def _elementwise_grid(view: ChannelView, pack: int, dtype: str, device: DeviceSpec,
@@ -271,7 +317,10 @@ def _elementwise_grid(view: ChannelView, pack: int, dtype: str, device: DeviceSp
     total = view.numel // pack
     u = unroll_for(pack * ITEMSIZE[dtype])
     need = max(1, -(-total // (threads * u)))
-    grid = min(need, device.sms * _occupancy(device, threads) * tuning.bn_apply_waves)
+    if view.layout == COLUMNS:
+        grid = min(need, device.sms * tuning.bn_apply_blocks_per_sm_cols)
+    else:
+        grid = min(need, device.sms * _occupancy(device, threads) * tuning.bn_apply_waves)
     if view.layout == COLUMNS:  # a thread's channels stay fixed: grid * threads % (C/pack) == 0
         cbp = view.channels // pack
         q = cbp // math.gcd(cbp, threads)
@@ -299,7 +348,7 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     a, c, b = view
     if view.numel == 0:
         raise ValueError(f"plan: {op} over an empty tensor launches nothing")
-    pack = pack_for(dtype, view, align_elems)
+    pack = flat_pack_for(dtype, view, align_elems)
     if c * b // pack > INT32_MAX:
         raise ValueError(f"plan: {op}: one sample of C * B = {c * b} elements is past the "
                          f"kernels' 32-bit sample index")
@@ -357,6 +406,30 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     return BatchNormPlan(op, dtype, view, pack, tuple(steps), training=training, relu=relu,
                          addend=addend, mask=mask, splits=splits, copied=copied,
                          device=device.name, notes=tuple(notes))
+
+
+def plane_packs(b: int, pack: int) -> int:
+    """Packs a planes reduction reads per plane of ``b`` elements (bn::plane_bits): B / PACK
+    where PACK divides B, else enough for a plane starting anywhere in its first pack."""
+    return b // pack if b % pack == 0 else (b + 2 * pack - 2) // pack
+
+
+def flat_args(plan: BatchNormPlan) -> tuple[int, int, int, int, int, int]:
+    """The elementwise kernels' index arguments (total, CBp, d, d_m, d_s, upp): flat packs,
+    packs a sample, the divisor of a pack's offset within its sample (units per plane), its
+    fast_div constants and units a pack (bn::plane_span: planes whose B the pack divides count
+    in packs, upp = 1; others in elements, upp = pack; columns: d = 1)."""
+    a, c, b = plan.view
+    p = plan.pack
+    total, cbp = plan.view.numel // p, c * b // p
+    if plan.layout == COLUMNS:
+        cbp, d, upp = c // p, 1, 1
+    elif b % p == 0:
+        d, upp = b // p, 1
+    else:
+        d, upp = b, p
+    m, s = fast_div(d)
+    return total, cbp, d, m, s, upp
 
 
 def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:

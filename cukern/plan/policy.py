@@ -72,9 +72,23 @@ class Tuning:
     bn_min_packs_per_thread: int = 2
     # at most this many partial states a channel: the merge folds them, 32 a warp lane
     bn_max_splits: int = 1024
+    # partial states written (and merged) are at most 1/this of the bytes the reduction reads:
+    # fp16 NHWC (64, 512, 28, 28) training ran 1024 splits, 6 MB of states for 25.7 MB of x
+    # (38% of copy speed); (16384, 1024) fp16 512 splits (29%)
+    bn_partial_fraction: int = 32
+    # resident columns-reduction blocks an SM (the register-bound occupancy, which the model
+    # of threads and shared memory misses): ptxas gives stats_cols / grad_cols<f16, 8> 72-74
+    # registers, 3 blocks of 256 threads; their grids are sized in whole waves of these
+    bn_cols_reduce_blocks_per_sm: int = 3
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
     bn_apply_waves: int = 4
+    # columns elementwise grids: this many blocks an SM (whole waves at the 2, 3 or 4 resident
+    # blocks that the 45-80 registers ptxas gives apply / dx<*, *, true> allow), each thread
+    # looping over many packs so that its PACK channels' coefficients (loaded once) serve them
+    # all: at 4 waves of 8 a thread did 1-2 packs, and eval NHWC fp16 with 512-2048 channels
+    # ran at 52-64% of copy speed
+    bn_apply_blocks_per_sm_cols: int = 12
     # channel-merge kernels: channels (warps) a block
     bn_finalize_channels: int = 8
 
