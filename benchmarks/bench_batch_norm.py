@@ -161,7 +161,8 @@ def _jax_fn(mode, sets, axis_last: bool):
             m = xf.mean(red, keepdims=True)
             v = ((xf - m) ** 2).mean(red, keepdims=True)
         else:
-            m, v = jnp.zeros(bshape, jnp.float32), jnp.ones(bshape, jnp.float32)
+            m = jnp.zeros_like(w, jnp.float32).reshape(bshape)  # the running statistics
+            v = jnp.ones_like(w, jnp.float32).reshape(bshape)
         y = (xf - m) * jax.lax.rsqrt(v + EPS) * w.reshape(bshape) + b.reshape(bshape)
         if z is not None:
             y = y + z.astype(jnp.float32)

@@ -3,25 +3,27 @@
 //
 // Memory is read as flat packs of PACK elements (16 bytes where alignment allows) in memory order;
 // the element at flat index e belongs to channel (e / B) % C. Two layouts:
-//   planes   (B > 1: NCHW)                   a pack lies in one channel's plane, or where B
-//                                            is not a multiple of PACK (7x7, 14x14 in 16-byte
-//                                            packs: C * B % PACK == 0, B >= PACK) spans two:
+//   planes   (B > 1: NCHW)                   a pack lies in one channel's plane, or (SPAN:
+//                                            B not a multiple of PACK, 7x7 in 16-byte packs:
+//                                            C * B % PACK == 0, B >= PACK) spans two:
 //                                            reductions skip the other plane's elements
 //                                            (bn::plane_bits), elementwise passes take both
-//                                            channels' coefficients (bn::plane_span)
+//                                            channels' coefficients (bn::plane_span); SPAN is
+//                                            a template argument, so whole-pack planes run the
+//                                            plain loops
 //   columns  (B == 1, C % PACK == 0: NHWC)   a pack holds PACK consecutive channels
 //
 // Kernels (the planner, cukern/plan/batch_norm.py, shapes every launch at run time):
-//   batch_norm_stats_{planes,cols}<T, PACK>       partial Welford states per (channel, split);
-//                                                 with one split, the finished channels
+//   batch_norm_stats_planes<T, PACK, SPAN>        partial Welford states per (channel, split);
+//   batch_norm_stats_cols<T, PACK>                with one split, the finished channels
 //   batch_norm_finalize<C>                        fixed-order merge -> mean, invstd, running
 //                                                 stats, per-channel coefficients (or eval's)
-//   batch_norm_apply<T, PACK, COLS, ADD>          y = relu?((x - mean) * scale + shift [+ z]),
+//   batch_norm_apply<T, PACK, COLS, ADD, SPAN>    y = relu?((x - mean) * scale + shift [+ z]),
 //                                                 the ReLU mask by __ballot_sync
-//   batch_norm_grad_{planes,cols}<T, PACK>        partial (sum g, sum g * (x - mean)); with
-//                                                 one split, dweight, dbias, dx coefficients
+//   batch_norm_grad_planes<T, PACK, SPAN>         partial (sum g, sum g * (x - mean)); with
+//   batch_norm_grad_cols<T, PACK>                 one split, dweight, dbias, dx coefficients
 //   batch_norm_grad_finalize<C>                   dweight, dbias, the dx coefficients
-//   batch_norm_dx<T, PACK, COLS>                  dx (and daddend = the masked dy)
+//   batch_norm_dx<T, PACK, COLS, SPAN>            dx (and daddend = the masked dy)
 // Every merge runs in a fixed order (no atomics): results are bitwise reproducible.
 #pragma once
 #include "memory.cuh"
@@ -113,20 +115,19 @@ template <typename C> struct Stats {
   }
 };
 
-// Sums of one thread's values shifted by the first of them (k): exact enough wherever k is
-// within a few standard deviations of the mean (a value of the data always is, in practice),
-// and 3 instructions a value. stats() hands them to Chan's merges.
+// Sums of one thread's values shifted by k, a value of the data near them (the channel's first
+// value in the block's split, seeded before the loop): exact enough wherever k is within a few
+// standard deviations of the mean (a value of the data always is, in practice), and 3
+// instructions a value, no branch; the count is kept by the caller (one a pack, not a value).
+// stats(n) hands them to Chan's merges.
 template <typename C> struct Shifted {
   C k, s1, s2;
-  int n;
   __device__ __forceinline__ void add(C v) {
-    if (n == 0) k = v;
     const C d = v - k;
     s1 += d;
     s2 += d * d;
-    n += 1;
   }
-  __device__ __forceinline__ Stats<C> stats() const {
+  __device__ __forceinline__ Stats<C> stats(int n) const {
     if (n == 0) return Stats<C>::identity();
     const C cnt = static_cast<C>(n);
     const C m = s1 / cnt;
@@ -223,20 +224,20 @@ template <typename C> struct EvalParams {
 };
 
 // Where a planes pack of an elementwise pass lies: j (the pack's index within its sample)
-// times upp units, d units a plane (div.d). upp = 1: units are packs (B % PACK == 0, d = B /
-// PACK), the whole pack in one channel; upp = PACK: units are elements (d = B >= PACK, B not a
-// multiple of PACK, C * B < 2^31), the first n0 elements in channel c0, the rest in c0 + 1.
+// times upp units, d units a plane (div.d). !SPAN: upp = 1, units are packs (B % PACK == 0,
+// d = B / PACK), the whole pack in channel c0; SPAN: upp = PACK, units are elements (d = B >=
+// PACK, B not a multiple of PACK, C * B < 2^31), the first n0 elements in c0, the rest in c0 + 1.
 struct PlaneSpan {
   unsigned c0;
   int n0;
 };
-__device__ __forceinline__ PlaneSpan plane_span(const FastDiv& div, unsigned j, unsigned upp,
-                                                int pack) {
+template <bool SPAN, int PACK>
+__device__ __forceinline__ PlaneSpan plane_span(const FastDiv& div, unsigned j, unsigned upp) {
+  if (!SPAN) return PlaneSpan{div.div(j), PACK};
   const unsigned e = j * upp;
   const unsigned c0 = div.div(e);
   const unsigned left = div.d - (e - c0 * div.d);
-  return PlaneSpan{c0, upp == 1u ? pack : (left < static_cast<unsigned>(pack)
-                                               ? static_cast<int>(left) : pack)};
+  return PlaneSpan{c0, left < static_cast<unsigned>(PACK) ? static_cast<int>(left) : PACK};
 }
 
 // The planes reductions read a channel's plane of B elements (from flat element `start`) as the
@@ -278,20 +279,38 @@ template <typename C> struct GradFinish {
   }
 };
 
-// One channel's S partial states merged by a warp in a fixed order: lane l folds l, l + 32, ...
-// (8 loads in flight), then a butterfly; every lane ends with the same bits.
+// One channel's S partial states merged in a fixed order by nt threads (a warp, or a whole
+// block: bn::Merger): thread t folds t, t + nt, ... (8 loads in flight), then a butterfly in
+// each warp and, for a block, the warps' states in warp order; every thread ends with the same
+// bits.
 template <typename S>
-__device__ __forceinline__ S fold_partials(const S* __restrict__ p, int n, int lane) {
+__device__ __forceinline__ S fold_partials(const S* __restrict__ p, int n, int t, int nt,
+                                           bool block) {
   S st = S::identity();
-  for (int s0 = lane; s0 < n; s0 += 32 * 8) {
+  for (int s0 = t; s0 < n; s0 += nt * 8) {
     S v[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = s0 + 32 * k < n ? p[s0 + 32 * k] : S::identity();
+    for (int k = 0; k < 8; ++k) v[k] = s0 + nt * k < n ? p[s0 + nt * k] : S::identity();
 #pragma unroll
     for (int k = 0; k < 8; ++k) st = S::merge(st, v[k]);  // identities merge exactly
   }
-  return allreduce_group(st, 32);
+  if (!block) return allreduce_group(st, 32);
+  unsigned phase = 0;
+  return allreduce_block(st, phase);
 }
+
+// Who merges a channel's partial states in the merge kernels (block (32, Y)): a warp each
+// (grid ceil(Cn / Y)), or, where the grid has one block a channel (few channels, many splits:
+// the planner's choice), the whole block, so that the merge is not a few latency-bound warps.
+struct Merger {
+  bool block;
+  int c, t, nt;
+  __device__ __forceinline__ explicit Merger(int Cn)
+      : block(gridDim.x == static_cast<unsigned>(Cn)),
+        c(static_cast<int>(block ? blockIdx.x : blockIdx.x * blockDim.y + threadIdx.y)),
+        t(static_cast<int>(block ? threadIdx.y * 32 + threadIdx.x : threadIdx.x)),
+        nt(block ? static_cast<int>(blockDim.y) * 32 : 32) {}
+};
 
 // Folds a thread's column states (ROWS x cols x N in shared memory, ROWS a power of two) over
 // its rows in a fixed tree order; row 0 ends with the block's states.
@@ -313,22 +332,26 @@ __device__ __forceinline__ void tree_over_rows(S* sm, int per_row, int row, int 
 
 // ---------------------------------------------------------------------------------------------
 // Statistics, planes layout: block (channel c = blockIdx.x, split s = blockIdx.y) reads the
-// planes a in [A s / S, A (s + 1) / S) of its channel, W packs each (bn::plane_bits), as one
-// flat run of packs.
-template <typename T, int PACK>
+// planes a in [A s / S, A (s + 1) / S) of its channel, W packs each, as one flat run of packs.
+// SPAN (B not a multiple of PACK, bn::plane_bits): W = plane_packs, the packs at a plane's ends
+// hold other channels' elements, skipped; else W = B / PACK, every pack whole, and the loop is
+// the plain one (no per-pack bit test, 32 bytes in flight a thread: bn::unroll_for).
+template <typename T, int PACK, bool SPAN>
 __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_stats_planes(const T* __restrict__ x, bn::Stats<typename Num<T>::compute>* part,
                             i64 A, int Cn, int B, int W, unsigned w_m, unsigned w_s, int S,
                             CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
+  constexpr int U = SPAN ? bn::unroll_reduce(PACK * sizeof(T)) : bn::unroll_for(PACK * sizeof(T));
   const int c = blockIdx.x, s = blockIdx.y;
   const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
   const unsigned L = static_cast<unsigned>((a1 - a0) * W);
   const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
   const i64 plane_stride = static_cast<i64>(Cn) * B;
   const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
-  bn::Shifted<C> acc{C(0), C(0), C(0), 0};
+  // every thread shifts by the split's first value of the channel (one broadcast load)
+  bn::Shifted<C> acc{Num<T>::to(x[first]), C(0), C(0)};
+  int n = 0;
   const unsigned nt = blockDim.x;
   for (unsigned j0 = threadIdx.x; j0 < L; j0 += nt * U) {
     Pack<T, PACK> p[U];
@@ -339,18 +362,25 @@ __global__ void __launch_bounds__(kBnReduceThreads)
       in[u] = 0;
       if (j < L) {
         const unsigned a = div.div(j), w = j - a * W;
-        const i64 start = first + a * plane_stride;
-        in[u] = bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
-                                     static_cast<int>(start % PACK), B);
-        if (in[u] != 0u) p[u] = bn::load_pack<T, PACK>(x, start / PACK + w);
+        if (SPAN) {
+          const i64 start = first + a * plane_stride;
+          in[u] = bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
+                                       static_cast<int>(start % PACK), B);
+          if (in[u] != 0u) p[u] = bn::load_pack<T, PACK>(x, start / PACK + w);
+        } else {
+          in[u] = bn::kFullPack<PACK>;
+          p[u] = bn::load_pack<T, PACK>(x, (first + a * plane_stride) / PACK + w);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (in[u] == bn::kFullPack<PACK>) {
+        n += PACK;
 #pragma unroll
         for (int k = 0; k < PACK; ++k) acc.add(pack_value(p[u], k));
-      } else if (in[u] != 0u) {  // a plane's end packs (B not a multiple of PACK)
+      } else if (SPAN && in[u] != 0u) {  // a plane's end packs
+        n += __popc(in[u]);
 #pragma unroll
         for (int k = 0; k < PACK; ++k)
           if ((in[u] >> k) & 1u) acc.add(pack_value(p[u], k));
@@ -358,7 +388,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
     }
   }
   unsigned phase = 0;
-  const bn::Stats<C> w = allreduce_block(acc.stats(), phase);
+  const bn::Stats<C> w = allreduce_block(acc.stats(n), phase);
   if (threadIdx.x != 0) return;
   if (S == 1) {  // the whole channel: finish it here, no merge launch
     bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, w);
@@ -380,10 +410,13 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   const int cp = blockIdx.x * blockDim.x + tx;
   const bool valid = cp < Cp;
   const i64 r0 = A * s / S, r1 = A * (s + 1) / S;
-  bn::Shifted<C> acc[PACK];
-#pragma unroll
-  for (int k = 0; k < PACK; ++k) acc[k] = bn::Shifted<C>{C(0), C(0), C(0), 0};
+  // every thread of a column shifts by the split's first row (one pack, the same for all rows)
+  bn::Shifted<C> acc[PACK] = {};
+  int n = 0;
   if (valid) {
+    const Pack<T, PACK> k0 = bn::load_pack<T, PACK>(x, r0 * Cp + cp);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) acc[k] = bn::Shifted<C>{pack_value(k0, k), C(0), C(0)};
     for (i64 r = r0 + ty; r < r1; r += static_cast<i64>(ny) * U) {
       Pack<T, PACK> p[U];
 #pragma unroll
@@ -394,6 +427,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (r + static_cast<i64>(u) * ny < r1) {
+          n += 1;
 #pragma unroll
           for (int k = 0; k < PACK; ++k) acc[k].add(pack_value(p[u], k));
         }
@@ -402,7 +436,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   }
   bn::Stats<C>* sm = dynamic_smem<bn::Stats<C>>();
 #pragma unroll
-  for (int k = 0; k < PACK; ++k) sm[(ty * blockDim.x + tx) * PACK + k] = acc[k].stats();
+  for (int k = 0; k < PACK; ++k) sm[(ty * blockDim.x + tx) * PACK + k] = acc[k].stats(n);
   bn::tree_over_rows(sm, blockDim.x, ty, tx, PACK);
   if (ty == 0 && valid) {
     const bn::Finish<C> finish{CUKERN_BN_FINISH_ARGS};
@@ -417,20 +451,19 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   }
 }
 
-// Per channel (a warp each; blockDim = (32, channels a block)): training merges the S partial
-// states in a fixed order, writes mean, invstd (and the biased variance), updates the running
-// statistics with the unbiased variance; eval takes mean and variance from the running
+// Per channel (a warp or a block each: bn::Merger; blockDim (32, Y)): training merges the S
+// partial states in a fixed order, writes mean, invstd (and the biased variance), updates the
+// running statistics with the unbiased variance; eval takes mean and variance from the running
 // statistics. Both write the coefficients {mean, weight * invstd, bias} of the apply pass.
 template <typename C>
 __global__ void __launch_bounds__(256)
     batch_norm_finalize(const bn::Stats<C>* __restrict__ part, int S, int Cn,
                         CUKERN_BN_FINISH_PARAMS(C)) {
-  const int c = blockIdx.x * blockDim.y + threadIdx.y;
-  if (c >= Cn) return;  // a whole warp
-  const int lane = threadIdx.x;
+  const bn::Merger g(Cn);
+  if (g.c >= Cn) return;  // a whole warp (of a warp-a-channel block)
   bn::Stats<C> st = bn::Stats<C>::identity();
-  if (training) st = bn::fold_partials(part + static_cast<i64>(c) * S, S, lane);
-  if (lane == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, st);
+  if (training) st = bn::fold_partials(part + static_cast<i64>(g.c) * S, S, g.t, g.nt, g.block);
+  if (g.t == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(g.c, st);
 }
 
 // y = relu?((x - mean) * scale + shift [+ addend]) over the flat packs of the tensor (coef
@@ -442,7 +475,7 @@ __global__ void __launch_bounds__(256)
 // (planes: one, or two where B is not a multiple of PACK) or PACK j.. (columns, where the host
 // makes G a multiple of CBp, so a thread's channels never change and their coefficients,
 // loaded once, stay in registers). mask (or null): ceil(numel / 32) words.
-template <typename T, int PACK, bool COLS, bool ADD>
+template <typename T, int PACK, bool COLS, bool ADD, bool SPAN>
 __global__ void __launch_bounds__(256)
     batch_norm_apply(const T* __restrict__ x, const T* __restrict__ addend,
                      const bn::Coef<typename Num<T>::compute>* __restrict__ coef,
@@ -490,15 +523,15 @@ __global__ void __launch_bounds__(256)
       bn::Coef<C> q0, q1;
       int n0 = PACK;
       if (!COLS) {
-        const bn::PlaneSpan sp = bn::plane_span(div, ju[u], upp, PACK);
+        const bn::PlaneSpan sp = bn::plane_span<SPAN, PACK>(div, ju[u], upp);
         n0 = sp.n0;
         q0 = params(coef, sp.c0);
-        q1 = n0 < PACK ? params(coef, sp.c0 + 1) : q0;
+        q1 = SPAN && n0 < PACK ? params(coef, sp.c0 + 1) : q0;
       }
       C v[PACK];
 #pragma unroll
       for (int k = 0; k < PACK; ++k) {
-        const bn::Coef<C> qk = COLS ? fixed[COLS ? k : 0] : (k < n0 ? q0 : q1);
+        const bn::Coef<C> qk = COLS ? fixed[COLS ? k : 0] : (!SPAN || k < n0 ? q0 : q1);
         v[k] = (pack_value(xv[u], k) - qk.mean) * qk.a + qk.b;
         if (ADD) v[k] += pack_value(av[u], k);
         if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
@@ -512,7 +545,7 @@ __global__ void __launch_bounds__(256)
 // ---------------------------------------------------------------------------------------------
 // Backward. g = dy where the mask keeps it (dy without a mask); per channel the partial sums
 // (sum g, sum g * (x - mean)), shaped as the statistics kernels.
-template <typename T, int PACK>
+template <typename T, int PACK, bool SPAN>
 __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_grad_planes(const T* __restrict__ dy, const T* __restrict__ x,
                            const unsigned* __restrict__ mask,
@@ -521,7 +554,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
                            int W, unsigned w_m, unsigned w_s, int S,
                            CUKERN_BN_GRAD_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
+  constexpr int U = SPAN ? bn::unroll_reduce(PACK * sizeof(T)) : bn::unroll_for(PACK * sizeof(T));
   const int c = blockIdx.x, s = blockIdx.y;
   const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
   const unsigned L = static_cast<unsigned>((a1 - a0) * W);
@@ -541,8 +574,9 @@ __global__ void __launch_bounds__(kBnReduceThreads)
       if (j < L) {
         const unsigned a = div.div(j), w = j - a * W;
         const i64 start = first + a * plane_stride;
-        const unsigned in = bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
-                                                 static_cast<int>(start % PACK), B);
+        const unsigned in = SPAN ? bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
+                                                        static_cast<int>(start % PACK), B)
+                                 : bn::kFullPack<PACK>;
         if (in != 0u) {
           const i64 i = start / PACK + w;
           pd[u] = bn::load_pack<T, PACK>(dy, i);
@@ -572,8 +606,10 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   }
 }
 
+// At least 3 blocks an SM (the planner's bn_cols_reduce_blocks_per_sm): ptxas gave
+// grad_cols<bf16, 8> 128 registers (2 blocks) unbounded, 79 with no spill bounded.
 template <typename T, int PACK>
-__global__ void __launch_bounds__(kBnReduceThreads)
+__global__ void __launch_bounds__(kBnReduceThreads, 3)
     batch_norm_grad_cols(const T* __restrict__ dy, const T* __restrict__ x,
                          const unsigned* __restrict__ mask,
                          const typename Num<T>::compute* __restrict__ mean,
@@ -636,21 +672,22 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   }
 }
 
-// Per channel (a warp each): the S partial sums merged in a fixed order, then bn::GradFinish.
+// Per channel (a warp or a block each: bn::Merger): the S partial sums merged in a fixed order,
+// then bn::GradFinish.
 template <typename C>
 __global__ void __launch_bounds__(256)
     batch_norm_grad_finalize(const bn::GradSums<C>* __restrict__ part, int S, int Cn,
                              const C* __restrict__ mean, CUKERN_BN_GRAD_FINISH_PARAMS(C)) {
-  const int c = blockIdx.x * blockDim.y + threadIdx.y;
-  if (c >= Cn) return;  // a whole warp
-  const int lane = threadIdx.x;
-  const bn::GradSums<C> st = bn::fold_partials(part + static_cast<i64>(c) * S, S, lane);
-  if (lane == 0) bn::GradFinish<C>{CUKERN_BN_GRAD_FINISH_ARGS}(c, st);
+  const bn::Merger g(Cn);
+  if (g.c >= Cn) return;  // a whole warp (of a warp-a-channel block)
+  const bn::GradSums<C> st =
+      bn::fold_partials(part + static_cast<i64>(g.c) * S, S, g.t, g.nt, g.block);
+  if (g.t == 0) bn::GradFinish<C>{CUKERN_BN_GRAD_FINISH_ARGS}(g.c, st);
 }
 
 // dx = k1 * g + k2 * (x - mean) + k3 over the flat packs (as batch_norm_apply); x is not read
 // when it is null (eval: k2 = 0). daddend (or null) = g.
-template <typename T, int PACK, bool COLS>
+template <typename T, int PACK, bool COLS, bool SPAN>
 __global__ void __launch_bounds__(256)
     batch_norm_dx(const T* __restrict__ dy, const T* __restrict__ x,
                   const unsigned* __restrict__ mask,
@@ -693,15 +730,15 @@ __global__ void __launch_bounds__(256)
       bn::Coef<C> q0, q1;
       int n0 = PACK;
       if (!COLS) {
-        const bn::PlaneSpan sp = bn::plane_span(div, ju[u], upp, PACK);
+        const bn::PlaneSpan sp = bn::plane_span<SPAN, PACK>(div, ju[u], upp);
         n0 = sp.n0;
         q0 = coef[sp.c0];
-        q1 = n0 < PACK ? coef[sp.c0 + 1] : q0;
+        q1 = SPAN && n0 < PACK ? coef[sp.c0 + 1] : q0;
       }
       C g[PACK], r[PACK];
 #pragma unroll
       for (int k = 0; k < PACK; ++k) {
-        const bn::Coef<C> qk = COLS ? fixed[COLS ? k : 0] : (k < n0 ? q0 : q1);
+        const bn::Coef<C> qk = COLS ? fixed[COLS ? k : 0] : (!SPAN || k < n0 ? q0 : q1);
         g[k] = (bits[u] >> k) & 1u ? pack_value(pd[u], k) : C(0);
         r[k] = qk.a * g[k] + qk.c;
         if (x != nullptr) r[k] += qk.b * (pack_value(px[u], k) - qk.mean);

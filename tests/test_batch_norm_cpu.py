@@ -165,6 +165,7 @@ def _elementwise_visits(plan_, view):
     # B not a multiple of the 16-byte pack: packs spanning two planes
     ((3, 16, 7, 7), "NCHW", "float16"), ((5, 8, 14, 14), "NCHW", "float16"),
     ((2, 12, 3, 3), "NCHW", "float32"), ((4, 6, 5, 5), "NCHW", "bfloat16"),
+    ((4, 16, 5, 5), "NCHW", "bfloat16"), ((3, 8, 7, 7), "NCHW", "float16"),
 ])
 def test_elementwise_passes_visit_each_pack_once_with_its_channel(shape, layout, dtype):
     for op in ("batch_norm", "batch_norm_backward"):
@@ -184,17 +185,33 @@ def test_flat_pack_for_small_planes():
     assert bp.pack_for("float16", view) == 1
     assert bp.flat_pack_for("float16", view) == 8  # 2048 * 49 % 8 == 0, 49 >= 8
     assert bp.flat_pack_for("float16", view, align_elems=4) == 4
-    assert bp.flat_pack_for("float16", bp.ChannelView(64, 1024, 196)) == 8
+    assert bp.flat_pack_for("float16", view, align_elems=2) == 1  # a 4-byte span: too narrow
+    # a dividing pack of 8 bytes or more is kept (B = 196: fp16 4, fp32 4)
+    assert bp.flat_pack_for("float16", bp.ChannelView(64, 1024, 196)) == 4
+    assert bp.flat_pack_for("float32", bp.ChannelView(64, 1024, 196)) == 4
+    assert bp.flat_pack_for("float16", bp.ChannelView(64, 1024, 196), min_bytes=16) == 8
+    assert bp.flat_pack_for("float32", bp.ChannelView(64, 1024, 49)) == 4
+    assert bp.flat_pack_for("float64", bp.ChannelView(64, 1024, 49)) == 1  # 8 bytes divide
     assert bp.flat_pack_for("float32", bp.ChannelView(64, 3, 49)) == 1  # 147 is odd
     assert bp.flat_pack_for("float16", bp.ChannelView(64, 8, 4)) == 4  # B < 8
     assert bp.flat_pack_for("float16", bp.ChannelView(64, 8, 1)) == 8  # columns: pack_for
     assert bp.flat_pack_for("float16", bp.ChannelView(2, 2**26, 49)) == 1  # C * B >= 2^31
+    assert not bp.spans(bp.ChannelView(64, 1024, 196), 4)
+    assert bp.spans(bp.ChannelView(64, 1024, 49), 8)
+    assert not bp.spans(bp.ChannelView(64, 1024, 1), 8)
     p = plan("batch_norm", (64, 2048, 7, 7), "float16")
     assert p.pack == 8
-    assert p.steps[0].targs == ("float16", 8)
-    assert p.steps[-1].targs == ("float16", 8, False, False)
+    assert p.steps[0].targs == ("float16", 8, True)
+    assert p.steps[-1].targs == ("float16", 8, False, False, True)
     assert bp.flat_args(p) == (64 * 2048 * 49 // 8, 2048 * 49 // 8, 49,
                                *bp.fast_div(49), 8)
+    p = plan("batch_norm", (64, 1024, 14, 14), "float16")
+    assert p.pack == 4 and p.steps[0].targs == ("float16", 4, False)
+    assert p.steps[-1].targs == ("float16", 4, False, False, False)
+    assert bp.flat_args(p) == (64 * 1024 * 196 // 4, 1024 * 49, 49, *bp.fast_div(49), 1)
+    p = plan("batch_norm_backward", (64, 64, 112, 112), "float16")
+    assert p.steps[0].targs == ("float16", 8, False)
+    assert p.steps[-1].targs == ("float16", 8, False, False)
     assert bp.plane_packs(49, 8) == 7 and bp.plane_packs(196, 8) == 26
     assert bp.plane_packs(784, 8) == 98 and bp.plane_packs(49, 1) == 49
 
@@ -319,8 +336,15 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
             assert ew.grid[0] <= 2**31 - 1
             if p.layout == bp.COLUMNS:
                 assert ew.grid[0] * ew.block[0] % (c // p.pack) == 0
-                # a few waves (rounded up to whole samples of packs)
-                assert ew.grid[0] < H100.sms * t.bn_apply_blocks_per_sm_cols + c // p.pack
+                # the waves grid where it leaves a thread >= PACK / bn_apply_cols_coefs_per_pack
+                # packs, else bn_apply_blocks_per_sm_cols an SM (rounded up to whole samples)
+                packs = p.view.numel // p.pack
+                need = -(-packs // (ew.block[0] * bp.unroll_for(p.pack * ITEMSIZE[dtype])))
+                waves = min(need, H100.sms * H100.model_occupancy(ew.block[0], 0)
+                            * t.bn_apply_waves)
+                few = packs * t.bn_apply_cols_coefs_per_pack < waves * ew.block[0] * p.pack
+                cap = H100.sms * t.bn_apply_blocks_per_sm_cols if few else waves
+                assert ew.grid[0] < cap + c // p.pack
         for s in p.steps:
             assert s.kernel in fam.kernel_names(op)(dtype)
 
@@ -330,7 +354,9 @@ def test_pack_is_widest_for_16_byte_runs():
     assert plan("batch_norm", (64, 64, 112, 112), "float32").pack == 4
     # B = 49, 196: 16-byte packs spanning two planes (C * B % 8 == 0)
     assert plan("batch_norm", (64, 2048, 7, 7), "float16").pack == 8
-    assert plan("batch_norm", (64, 1024, 14, 14), "float16").pack == 8
+    # B = 196: 8-byte packs that divide it (bn_min_pack_bytes), not 16-byte spanning ones
+    assert plan("batch_norm", (64, 1024, 14, 14), "float16").pack == 4
+    assert plan("batch_norm", (64, 1024, 14, 14), "float16", align_elems=2).pack == 2
     assert plan("batch_norm", (64, 3, 7, 7), "float16").pack == 1  # C * B odd
     assert plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC").pack == 8
     assert plan("batch_norm", (64, 64, 112, 112), "float16", align_elems=2).pack == 2
@@ -350,11 +376,47 @@ def test_splits_fill_the_gpu_and_respect_their_caps():
     assert plan("batch_norm", (4, 8, 4, 4), "float32").splits == 1
     # columns: at most bn_max_splits, in whole waves of resident blocks
     p = plan("batch_norm", (8, 64, 16, 56, 56), "float16", "NHWC")
-    resident = H100.sms * t.bn_cols_reduce_blocks_per_sm
-    assert p.splits == min(t.bn_max_splits, resident * t.bn_reduce_waves)
-    p = plan("batch_norm", (64, 512, 28, 28), "float16", "NHWC")  # 2 tiles, capped by traffic
-    assert p.splits * 2 == resident and p.splits <= bp.partial_cap(p.view, "float16", 3, t)
+    resident = H100.sms * t.bn_cols_stats_blocks_per_sm
+    assert p.splits == min(t.bn_max_splits, resident * t.bn_reduce_waves) // resident * resident
+    p = plan("batch_norm_backward", (8, 64, 16, 56, 56), "float16", "NHWC")
+    resident_grad = H100.sms * t.bn_cols_reduce_blocks_per_sm
+    assert p.splits == min(t.bn_max_splits, resident_grad * t.bn_reduce_waves)
+    # 32-pack tiles capped by traffic (2 x 261 blocks): 16-pack ones, one whole wave
+    p = plan("batch_norm", (64, 512, 28, 28), "float16", "NHWC")
+    assert p.steps[0].block == (16, 16)
+    assert p.steps[0].grid[0] * p.splits == resident
+    assert p.splits <= bp.partial_cap(p.view, "float16", 3, t)
     assert plan("batch_norm", (10**6, 8), "float32").splits <= t.bn_max_splits
+
+
+def test_columns_tiles_narrow_to_fill_the_gpu():
+    t = HOPPER
+    resident = H100.sms * t.bn_cols_stats_blocks_per_sm
+    # many channels over few rows: 8-pack tiles, more blocks than 32-pack ones would give
+    p = plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC")
+    assert p.steps[0].block == (8, 32) and p.steps[0].grid[0] == 2048 // 8 // 8
+    assert p.steps[0].grid[0] * p.splits <= resident
+    assert p.steps[0].grid[0] * p.splits > 8 * 16  # the 32-pack tiles' 128 blocks
+    # enough rows: the widest tiles
+    p = plan("batch_norm", (256, 256, 56, 56), "float16", "NHWC")
+    assert p.steps[0].block == (32, 8)
+    # few channels: one tile of all of them
+    assert plan("batch_norm", (64, 64, 112, 112), "float16", "NHWC").steps[0].block == (8, 32)
+
+
+def test_merge_is_a_block_a_channel_for_few_channels_and_many_splits():
+    fin = HOPPER.bn_finalize_channels
+    p = plan("batch_norm", (64, 64, 112, 112), "float16", "NHWC")
+    assert p.splits > 32 and p.steps[1].kind == "finalize"
+    assert p.steps[1].grid == (64,) and p.steps[1].block == (32, fin)  # bn::Merger: block
+    p = plan("batch_norm_backward", (64, 2048, 7, 7), "float16", "NHWC")
+    assert p.steps[1].grid == (2048 // fin,)  # many channels: a warp each
+    p = plan("batch_norm", (16, 4096, 8), "float32")
+    if p.splits <= 32 and p.steps[1].kind == "finalize":
+        assert p.steps[1].grid == (4096 // fin,)
+    # eval with statistics: nothing to merge, a warp a channel
+    p = plan("batch_norm", (8, 64, 4, 4), "float32", training=False, return_stats=True)
+    assert p.steps[0].grid == (64 // fin,)
 
 
 def test_planes_splits_keep_32_bit_counts():
@@ -393,11 +455,11 @@ def test_steps_per_op_and_mode():
     assert kinds(plan("batch_stats", (8, 16, 4), "float64")) == ["stats_planes"]
     assert kinds(plan("batch_stats", (4096, 16), "float64")) == ["stats_cols", "finalize"]
     p = plan("batch_norm", (8, 16, 4, 4), "float16", addend=True, relu=True, mask=True)
-    assert p.steps[-1].kernel == "cukern::batch_norm_apply<cukern::f16, 8, false, true>"
+    assert p.steps[-1].kernel == "cukern::batch_norm_apply<cukern::f16, 8, false, true, false>"
     p = plan("batch_norm_backward", (256, 16, 64, 64), "bfloat16", "NHWC")
     assert p.steps[0].kernel == "cukern::batch_norm_grad_cols<cukern::bf16, 8>"
     assert p.steps[1].kernel == "cukern::batch_norm_grad_finalize<float>"
-    assert p.steps[2].kernel == "cukern::batch_norm_dx<cukern::bf16, 8, true>"
+    assert p.steps[2].kernel == "cukern::batch_norm_dx<cukern::bf16, 8, true, false>"
     with pytest.raises(ValueError, match="unknown"):
         bp.plan_batch_norm("batch_normal", bp.ChannelView(2, 2, 2), "float32")
     with pytest.raises(ValueError, match="empty"):
@@ -424,13 +486,15 @@ def test_reachable_sets_and_counts():
         by = registry.kernel_names(list(OPS), list(DTYPES), device)
         assert set(by) == {"batch_norm"}
         names = by["batch_norm"]
-        assert len(names) == 134
-        assert len(names) < 150  # the compile check's budget for the family
+        assert len(names) == 164
+        assert len(names) <= 200  # the compile check's budget for the family
     per_dtype = {dt: len(registry.kernel_names(list(OPS), [dt], H100)["batch_norm"])
                  for dt in DTYPES}
-    # (stats x2, grad x2) per pack + apply x4 + dx x2 per pack + finalize x2
-    assert per_dtype == {"float16": 4 * 10 + 2, "bfloat16": 4 * 10 + 2,
-                         "float32": 3 * 10 + 2, "float64": 2 * 10 + 2}
+    # (stats x2, grad x2) per pack + apply x4 + dx x2 per pack + finalize x2, and the planes
+    # kernels (stats, grad, apply x2, dx) again with SPAN for the packs of 8 bytes or more
+    # where a narrower pack is under 8 bytes (fp16/bf16: 4, 8; fp32: 2, 4; fp64: none)
+    assert per_dtype == {"float16": 4 * 10 + 2 + 2 * 5, "bfloat16": 4 * 10 + 2 + 2 * 5,
+                         "float32": 3 * 10 + 2 + 2 * 5, "float64": 2 * 10 + 2}
 
 
 def test_reachable_covers_planner_output():

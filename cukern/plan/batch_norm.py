@@ -25,11 +25,12 @@ from typing import NamedTuple
 
 from .._device import DeviceSpec
 from .common import ITEMSIZE
-from .policy import Tuning, tuning_for
+from .policy import AMPERE, HOPPER, Tuning, tuning_for
 
 __all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strides",
-           "fast_div", "pack_for", "flat_pack_for", "plane_packs", "flat_args", "partial_cap",
-           "unroll_for", "unroll_reduce", "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
+           "fast_div", "pack_for", "flat_pack_for", "spans", "plane_packs", "flat_args",
+           "partial_cap", "unroll_for", "unroll_reduce", "plan_batch_norm", "reachable_steps",
+           "OPS", "INT32_MAX"]
 
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
 INT32_MAX = 2**31 - 1
@@ -139,20 +140,30 @@ def pack_for(dtype: str, view: ChannelView, align_elems: int = 16) -> int:
     return p
 
 
-def flat_pack_for(dtype: str, view: ChannelView, align_elems: int = 16) -> int:
-    """The plan's pack: :func:`pack_for`, or for planes whose B it leaves below 16 bytes (7x7,
-    14x14) the widest pack that divides C * B (no pack spans two samples) and the alignment,
-    with B >= the pack (a pack spans at most two planes) and C * B < 2^31 (the elementwise
-    kernels' element index within a sample). Reductions then read W = :func:`plane_packs`
-    packs a plane and skip the neighbouring planes' elements."""
+def flat_pack_for(dtype: str, view: ChannelView, align_elems: int = 16,
+                  min_bytes: int = 8) -> int:
+    """The plan's pack: :func:`pack_for` where it moves at least ``min_bytes`` (the tuning's
+    bn_min_pack_bytes) or the layout is columns; else, for planes (7x7), the widest pack that
+    divides C * B (no pack spans two samples) and the alignment, with B >= the pack (a pack
+    spans at most two planes) and C * B < 2^31 (the elementwise kernels' element index within
+    a sample), where it reaches ``min_bytes`` (the SPAN kernels: :func:`spans`). Reductions
+    then read W = :func:`plane_packs` packs a plane and skip the neighbouring planes'
+    elements."""
     pack = pack_for(dtype, view, align_elems)
     a, c, b = view
-    if view.layout != PLANES or c * b > INT32_MAX:
+    item = ITEMSIZE[dtype]
+    if view.layout != PLANES or c * b > INT32_MAX or pack * item >= min_bytes:
         return pack
     p = max_pack(dtype)
     while p > pack and ((c * b) % p or align_elems % p or b < p):
         p //= 2
-    return p
+    return p if p * item >= min_bytes else pack
+
+
+def spans(view: ChannelView, pack: int) -> bool:
+    """Whether a planes pack may span two planes (B not a multiple of the pack): the SPAN
+    template argument of the planes kernels."""
+    return view.layout == PLANES and view.inner % pack != 0
 
 
 @dataclass(frozen=True)
@@ -268,36 +279,49 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         raise ValueError(f"plan: bn_reduce_threads {threads}: the kernels take a multiple of 32 "
                          f"up to {MAX_REDUCE_THREADS} (kBnReduceThreads)")
     cols = view.layout == COLUMNS
-    if cols:
-        cp = c // pack
-        tx = min(1 << max(0, (cp - 1).bit_length()), 32)
-        ty = threads // tx
-        tiles = -(-cp // tx)
-        smem = threads * pack * state_values * csize
-        per_split_cap = max(1, a // (ty * u * tuning.bn_min_packs_per_thread))
-        lanes, block = tiles, (tx, ty)
-    else:
-        bp = plane_packs(b, pack)
-        smem = 0
-        per_split_cap = max(1, (a * bp) // (threads * u * tuning.bn_min_packs_per_thread))
-        lanes, block = c, (threads,)
+    smem = threads * pack * state_values * csize if cols else 0
     occupancy = _occupancy(device, threads, smem)
     if cols:
-        occupancy = min(occupancy, tuning.bn_cols_reduce_blocks_per_sm)
+        occupancy = min(occupancy, tuning.bn_cols_stats_blocks_per_sm if kind == "stats"
+                        else tuning.bn_cols_reduce_blocks_per_sm)
     resident = device.sms * occupancy
     target = resident * tuning.bn_reduce_waves
-    splits = min(-(-target // lanes), per_split_cap, tuning.bn_max_splits, max(1, a),
-                 partial_cap(view, dtype, state_values, tuning))
-    if cols and lanes * splits > resident:  # whole waves: no tail wave of a few blocks
-        splits = max(1, (lanes * splits // resident) * resident // lanes)
-    if not cols:  # a split's packs are counted in 32 bits
-        splits = max(splits, min(a, -(-(a * plane_packs(b, pack)) // 2**30)))
-    splits = max(1, splits)
+    cap = min(tuning.bn_max_splits, max(1, a), partial_cap(view, dtype, state_values, tuning))
+
+    def split(lanes: int, rows_a_pass: int) -> int:
+        per_split_cap = max(1, rows_a_pass // (u * tuning.bn_min_packs_per_thread))
+        n = min(-(-target // lanes), per_split_cap, cap)
+        if cols and lanes * n > resident:  # whole waves: no tail wave of a few blocks
+            n = max(1, (lanes * n // resident) * resident // lanes)
+        return max(1, n)
+
+    if cols:
+        # tiles of TX channel packs by TY rows; narrower tiles (down to 8 packs: a warp still
+        # reads whole 128-byte lines) where the widest leave the SMs short of blocks: many
+        # channels over few rows (fp16 NHWC (64, 2048, 7, 7): 8 tiles x 16 splits were 128
+        # blocks, one an SM, 16 KB in flight)
+        cp = c // pack
+        shapes = []
+        tx = min(1 << max(0, (cp - 1).bit_length()), 32)
+        while True:
+            lanes = -(-cp // tx)
+            shapes.append((min(lanes * split(lanes, a // (threads // tx)), resident), -tx, tx))
+            if tx <= 8 or lanes * split(lanes, a // (threads // tx)) >= resident:
+                break
+            tx //= 2
+        tx = max(shapes)[2]
+        lanes, block = -(-cp // tx), (tx, threads // tx)
+        splits = split(lanes, a // (threads // tx))
+    else:
+        bp = plane_packs(b, pack)
+        lanes, block = c, (threads,)
+        splits = split(lanes, (a * bp) // threads)
+        splits = max(splits, min(a, -(-(a * bp) // 2**30)))  # a split's packs in 32 bits
     if not cols and splits == 1:  # small channels (7x7): blocks only as wide as their work
         need = max(1, (a * bp) // (u * tuning.bn_min_packs_per_thread))
         block = (min(threads, max(64, 1 << (need - 1).bit_length())),)
-    step = Step(f"{kind}_{'cols' if cols else 'planes'}", (dtype, pack), (lanes, splits), block,
-                smem)
+    targs = (dtype, pack) if cols else (dtype, pack, spans(view, pack))
+    step = Step(f"{kind}_{'cols' if cols else 'planes'}", targs, (lanes, splits), block, smem)
     return step, splits
 
 
@@ -317,15 +341,28 @@ def _elementwise_grid(view: ChannelView, pack: int, dtype: str, device: DeviceSp
     total = view.numel // pack
     u = unroll_for(pack * ITEMSIZE[dtype])
     need = max(1, -(-total // (threads * u)))
-    if view.layout == COLUMNS:
+    grid = min(need, device.sms * _occupancy(device, threads) * tuning.bn_apply_waves)
+    # columns: a thread loads its PACK channels' coefficients once; where the waves grid
+    # leaves it fewer than PACK / bn_apply_cols_coefs_per_pack packs, a smaller grid
+    if (view.layout == COLUMNS
+            and total * tuning.bn_apply_cols_coefs_per_pack < grid * threads * pack):
         grid = min(need, device.sms * tuning.bn_apply_blocks_per_sm_cols)
-    else:
-        grid = min(need, device.sms * _occupancy(device, threads) * tuning.bn_apply_waves)
     if view.layout == COLUMNS:  # a thread's channels stay fixed: grid * threads % (C/pack) == 0
         cbp = view.channels // pack
         q = cbp // math.gcd(cbp, threads)
         grid = -(-grid // q) * q
     return grid
+
+
+def _merge_grid(channels: int, splits: int, device: DeviceSpec, tuning: Tuning) -> tuple[int]:
+    """The merge kernels' grid (blocks of (32, bn_finalize_channels)): a warp a channel, or,
+    where that leaves the SMs mostly idle and each lane would fold several states in a row
+    (few channels, many splits: C = 64 with 528 splits was 8 blocks, 17 dependent merges a
+    lane), a block a channel (bn::Merger: the kernels tell the two by gridDim.x == C)."""
+    warps = -(-channels // tuning.bn_finalize_channels)
+    if splits > 32 and warps < device.sms:
+        return (channels,)
+    return (warps,)
 
 
 def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec | None = None,
@@ -348,7 +385,8 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     a, c, b = view
     if view.numel == 0:
         raise ValueError(f"plan: {op} over an empty tensor launches nothing")
-    pack = flat_pack_for(dtype, view, align_elems)
+    pack = flat_pack_for(dtype, view, align_elems, tuning.bn_min_pack_bytes)
+    span = spans(view, pack)
     if c * b // pack > INT32_MAX:
         raise ValueError(f"plan: {op}: one sample of C * B = {c * b} elements is past the "
                          f"kernels' 32-bit sample index")
@@ -372,14 +410,14 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
         else:
             steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem,
                               "per-thread shifted sums -> Welford states, folded per block"))
-            steps.append(Step("finalize", (compute,), fin_grid, fin,
-                              what="Chan merge of the splits in a fixed order; " + outs))
+            steps.append(Step("finalize", (compute,), _merge_grid(c, splits, device, tuning),
+                              fin, what="Chan merge of the splits in a fixed order; " + outs))
     elif op == "batch_norm" and return_stats:
         steps.append(Step("finalize", (compute,), fin_grid, fin,
                           what="mean, invstd and coefficients from the running statistics"))
     if op == "batch_norm":
         own = "" if training or return_stats else " (scale, shift from the running stats)"
-        steps.append(Step("apply", (dtype, pack, cols, addend), ew_grid, ew_block,
+        steps.append(Step("apply", (dtype, pack, cols, addend, span), ew_grid, ew_block,
                           what="y = (x - mean) * scale + shift" + own
                                + (" + addend" if addend else "")
                                + (", ReLU" if relu else "") + (", mask by ballot" if mask
@@ -392,9 +430,10 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
                               what + "; dweight, dbias, dx coefficients"))
         else:
             steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem, what))
-            steps.append(Step("grad_finalize", (compute,), fin_grid, fin,
+            steps.append(Step("grad_finalize", (compute,), _merge_grid(c, splits, device, tuning),
+                              fin,
                               what="fixed-order merge; dweight, dbias, dx coefficients"))
-        steps.append(Step("dx", (dtype, pack, cols), ew_grid, ew_block,
+        steps.append(Step("dx", (dtype, pack, cols, span), ew_grid, ew_block,
                           what="dx" + (" and daddend" if addend else "")
                                + ("" if training else " (eval: x not read)")))
     if pack * ITEMSIZE[dtype] < 16:
@@ -434,18 +473,28 @@ def flat_args(plan: BatchNormPlan) -> tuple[int, int, int, int, int, int]:
 
 def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:
     """Every (kind, template arguments) ``op`` can launch for ``dtype`` (any shape, alignment
-    or switches), from the same rules as :func:`plan_batch_norm`."""
+    or switches), from the same rules as :func:`plan_batch_norm`: planes packs that span two
+    planes only where a dividing pack is under the tuning's bn_min_pack_bytes and the
+    spanning one reaches it (:func:`flat_pack_for`)."""
     packs = [p for p in (1, 2, 4, 8, 16) if p <= max_pack(dtype)]
+    item = ITEMSIZE[dtype]
+    spanning = {p for t in (HOPPER, AMPERE) for p in packs
+                if item < t.bn_min_pack_bytes <= p * item}
+    planes = [(p, False) for p in packs] + [(p, True) for p in sorted(spanning)]
     compute = _COMPUTE[dtype]
     out: list[tuple[str, tuple]] = []
     if op in ("batch_norm", "batch_stats"):
-        out += [(k, (dtype, p)) for k in ("stats_planes", "stats_cols") for p in packs]
+        out += [("stats_planes", (dtype, p, sp)) for p, sp in planes]
+        out += [("stats_cols", (dtype, p)) for p in packs]
         out.append(("finalize", (compute,)))
     if op == "batch_norm":
-        out += [("apply", (dtype, p, cols, add)) for p in packs for cols in (False, True)
+        out += [("apply", (dtype, p, False, add, sp)) for p, sp in planes
                 for add in (False, True)]
+        out += [("apply", (dtype, p, True, add, False)) for p in packs for add in (False, True)]
     if op == "batch_norm_backward":
-        out += [(k, (dtype, p)) for k in ("grad_planes", "grad_cols") for p in packs]
+        out += [("grad_planes", (dtype, p, sp)) for p, sp in planes]
+        out += [("grad_cols", (dtype, p)) for p in packs]
         out.append(("grad_finalize", (compute,)))
-        out += [("dx", (dtype, p, cols)) for p in packs for cols in (False, True)]
+        out += [("dx", (dtype, p, False, sp)) for p, sp in planes]
+        out += [("dx", (dtype, p, True, False)) for p in packs]
     return out

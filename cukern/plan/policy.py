@@ -76,19 +76,33 @@ class Tuning:
     # fp16 NHWC (64, 512, 28, 28) training ran 1024 splits, 6 MB of states for 25.7 MB of x
     # (38% of copy speed); (16384, 1024) fp16 512 splits (29%)
     bn_partial_fraction: int = 32
-    # resident columns-reduction blocks an SM (the register-bound occupancy, which the model
-    # of threads and shared memory misses): ptxas gives stats_cols / grad_cols<f16, 8> 72-74
-    # registers, 3 blocks of 256 threads; their grids are sized in whole waves of these
+    # resident columns gradient-sum blocks an SM (the register-bound occupancy, which the
+    # model of threads and shared memory misses): ptxas gives grad_cols<f16, 8> 74 registers,
+    # 3 blocks of 256 threads; their grids are sized in whole waves of these
     bn_cols_reduce_blocks_per_sm: int = 3
+    # ... and columns statistics blocks: ptxas gives stats_cols 46-64 registers (every dtype
+    # and pack) since the shifted sums lost their per-value count and branch (72 before): 4
+    bn_cols_stats_blocks_per_sm: int = 4
+    # planes packs: the widest pack dividing B where it is at least this many bytes, else
+    # (7x7) a 16-byte pack spanning two planes, where one reaches it: fp16 (64, 1024, 14, 14)
+    # eval ran at 90.8% of copy speed in dividing 8-byte packs, 83.8% in spanning 16-byte
+    # ones; (64, 2048, 7, 7) at 46.0% in dividing 2-byte packs, 87.9% in spanning 16-byte
+    bn_min_pack_bytes: int = 8
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
     bn_apply_waves: int = 4
-    # columns elementwise grids: this many blocks an SM (whole waves at the 2, 3 or 4 resident
+    # columns elementwise grids where bn_apply_waves would leave a thread few packs for the
+    # PACK coefficients it loads: this many blocks an SM (whole waves at the 2, 3 or 4 resident
     # blocks that the 45-80 registers ptxas gives apply / dx<*, *, true> allow), each thread
-    # looping over many packs so that its PACK channels' coefficients (loaded once) serve them
+    # looping over many packs so that its channels' coefficients (loaded once) serve them
     # all: at 4 waves of 8 a thread did 1-2 packs, and eval NHWC fp16 with 512-2048 channels
-    # ran at 52-64% of copy speed
+    # ran at 52-64% of copy speed (12 an SM: 70-80%)
     bn_apply_blocks_per_sm_cols: int = 12
+    # ... the bn_apply_waves grid is kept where it gives a thread at least PACK / this packs:
+    # there 12 an SM cost 2-3 points (eval NHWC fp32 C = 64, 256: 96.2 -> 93.1, 95.9 -> 93.0,
+    # 3 packs a coefficient; fp16 C = 64: 93.7 -> 90.6, 1.5; fp32 (16384, 1024): 94.5 -> 92.6,
+    # 1), while it gained 15-33 points at 0.1-0.4 (fp16 C = 512-2048, (16384, 1024))
+    bn_apply_cols_coefs_per_pack: int = 2
     # channel-merge kernels: channels (warps) a block
     bn_finalize_channels: int = 8
 
