@@ -67,15 +67,51 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
   }
 };
 
-// y = v * gamma + beta for normalised values v, each factor optional.
+// 1 in a storage type, as bits (no conversion instruction).
+template <typename T> __device__ __forceinline__ T storage_one() { return T(1); }
+template <> __device__ __forceinline__ f16 storage_one<f16>() { return f16{0x3c00}; }
+template <> __device__ __forceinline__ bf16 storage_one<bf16>() { return bf16{0x3f80}; }
+
+// How AffineStore has gamma or beta (its W and B): kAbsent, never read (gamma = 1, beta = 0);
+// kPresent, always read; kRuntime, read where the pointer is not null (null: absent).
+enum : int { kAbsent = 0, kPresent = 1, kRuntime = 2 };
+
+// y = v * gamma + beta for normalised values v, each factor optional. The warp and block
+// kernels take both at run time (W = kRuntime, B = kRuntime for layer norm, kAbsent for RMS
+// norm), so one instantiation serves every combination: an absent one is never read and
+// stands for gamma = 1 or beta = 0, and the per-value math is one multiply-add either way
+// (v * 1 + 0 is v, v * gamma + 0 is v * gamma, rounded once); whether each is present is
+// uniform across the grid, and the loads are predicated on it, once a pack. The cluster
+// kernels take them as template switches (kAbsent or kPresent each: the code the WEIGHT and
+// BIAS switches gave), where run-time presence cost 1-6 points of copy speed
+// (docs/notes/layer-norm-forward.md).
 // params() and store_with() split store() for a caller that writes several rows of the same
 // columns (gamma and beta loaded and converted once).
-template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
+template <typename C, typename T, int W, int B> struct AffineStore {
+  static_assert(W >= kAbsent && W <= kRuntime && B >= kAbsent && B <= kRuntime, "W, B: 0-2");
+  static_assert((W == kRuntime) == (B == kRuntime) || (W == kRuntime && B == kAbsent),
+                "run-time presence: both, or gamma alone (RMS norm)");
   Store<C, T, false> y;
-  Load<T, C, false> gamma, beta;  // one row each (row 0)
+  Load<T, C, false> gamma, beta;  // one row each (row 0); with kRuntime, ptr null where absent
+  __device__ __forceinline__ bool weight() const {
+    return W == kPresent || (W == kRuntime && gamma.ptr != nullptr);
+  }
+  __device__ __forceinline__ bool bias() const {
+    return B == kPresent || (B == kRuntime && beta.ptr != nullptr);
+  }
   template <int N> __device__ __forceinline__ void params(C* w, C* b, int col) const {
-    if (WEIGHT) gamma.template load<N>(w, 0, col);
-    if (BIAS) beta.template load<N>(b, 0, col);
+    if (weight()) {
+      gamma.template load<N>(w, 0, col);
+    } else if (W == kRuntime) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) w[i] = C(1);
+    }
+    if (bias()) {
+      beta.template load<N>(b, 0, col);
+    } else if (B == kRuntime) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) b[i] = C(0);
+    }
   }
   template <int N>
   __device__ __forceinline__ void store_with(const C* v, const C* w, const C* b, i64 row,
@@ -83,9 +119,13 @@ template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
     C out[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      out[i] = v[i];
-      if (WEIGHT) out[i] *= w[i];
-      if (BIAS) out[i] += b[i];
+      if (W == kRuntime) {  // the multiply-add above
+        out[i] = B != kAbsent ? v[i] * w[i] + b[i] : v[i] * w[i];
+      } else {
+        out[i] = v[i];
+        if (W) out[i] *= w[i];
+        if (B) out[i] += b[i];
+      }
     }
     y.template store<N>(out, row, col);
   }
@@ -97,14 +137,24 @@ template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
   // fetch() and store_fetched() split store() the other way, for a caller that loads several
   // packs' gamma and beta before their stores: a store to y is volatile, and no load after it
   // in program order issues before it, so a loop of store() waits out the parameters' latency
-  // once a pack.
+  // once a pack. An absent gamma or beta read at run time is a pack of ones or zeros in the
+  // storage type.
   template <int N> struct Params {
     Pack<T, N> w, b;  // as loaded, unconverted
   };
   template <int N> __device__ __forceinline__ Params<N> fetch(int col) const {
     Params<N> p;
-    if (WEIGHT) p.w = gamma.template raw<N>(0, col);
-    if (BIAS) p.b = beta.template raw<N>(0, col);
+    if (weight()) {
+      p.w = gamma.template raw<N>(0, col);
+    } else if (W == kRuntime) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) p.w.elem[i] = storage_one<T>();
+    }
+    if (bias()) {
+      p.b = beta.template raw<N>(0, col);
+    } else if (B == kRuntime) {
+      p.b.word = typename Pack<T, N>::word_t{};  // +0 in every storage type
+    }
     return p;
   }
   template <int N>
@@ -113,8 +163,8 @@ template <typename C, typename T, bool WEIGHT, bool BIAS> struct AffineStore {
     C w[N], b[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      if (WEIGHT) w[i] = pack_value(p.w, i);
-      if (BIAS) b[i] = pack_value(p.b, i);
+      if (W) w[i] = pack_value(p.w, i);
+      if (B) b[i] = pack_value(p.b, i);
     }
     store_with<N>(v, w, b, row, col);
   }
@@ -163,17 +213,19 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward. mean and rstd may be null (not wanted); res, h, gamma, beta are read or written only
-// when their switch is on. sx, sr, sy, sh: row strides of x, residual, y, h.
+// Forward. mean and rstd may be null (not wanted); gamma and beta may be null (absent) for the
+// warp and block kernels, and are read by a cluster kernel only with its WEIGHT and BIAS (see
+// AffineStore); res and h are read or written only with RESIDUAL. sx, sr, sy, sh: row strides
+// of x, residual, y, h.
 #define CUKERN_NORM_FWD_PARAMS                                                                 \
   const T *x, const T *res, const T *gamma, const T *beta, T *y, T *h,                         \
       typename Num<T>::compute *mean, typename Num<T>::compute *rstd,                          \
       typename Num<T>::compute eps, i64 rows, int cols, i64 sx, i64 sr, i64 sy, i64 sh
 
-#define CUKERN_NORM_FWD_SETUP                                                                  \
+// W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime).
+#define CUKERN_NORM_FWD_SETUP(W, B)                                                            \
   typedef typename Num<T>::compute C;                                                          \
   static_assert(ALGO == kLayerNorm || ALGO == kRMSNorm, "ALGO: 0 layer norm, 1 RMS norm");     \
-  static_assert(ALGO == kLayerNorm || !BIAS, "RMS norm has no bias");                          \
   /* layer norm works on x - K; float and double data normalise (x - K) - mean' in two steps,   \
      half and bfloat16 data x - (K + mean') in one (see the top of this file) */                 \
   constexpr bool SHIFT = ALGO == kLayerNorm;                                                   \
@@ -182,16 +234,16 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   unsigned phase = 0; /* allreduce_block's buffer phase */                                     \
   (void)phase;                                                                                 \
   const SkipLoad<T, C, RESIDUAL> ld{{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};   \
-  const AffineStore<C, T, WEIGHT, BIAS> st{{y, rows_at(sy)}, {gamma, rows_at(0)},              \
-                                           {beta, rows_at(0)}}
+  static_assert(ALGO == kLayerNorm || (B) == kAbsent, "RMS norm has no bias");                \
+  const AffineStore<C, T, (W), (B)> st{{y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}}
 
 // Warp kernel. Block (width, 128 / width); thread group y owns RPA rows at a time; lane l holds
 // packs p at columns (p * width + l) * PACK, so a group's accesses are coalesced. Slots past the
 // end of the row (padding) hold 0 and are left out of the variance. The row loop is uniform
 // across the block, so every lane reaches every shuffle.
-template <typename T, int ALGO, int PACK, int CPT, int RPA, bool WEIGHT, bool BIAS, bool RESIDUAL>
+template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL>
 __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP;
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent);
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
@@ -488,9 +540,9 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 
 // Block kernel with the row cached in shared memory (cols values of T; see norm_rows).
 // Grid-stride over rows; any block size that is a multiple of 32.
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL, bool OVERLAP>
+template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP;
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent);
   BlockReduce reduce;
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1>(
       dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
@@ -499,9 +551,9 @@ __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PA
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
 // With a residual the second read is of h (written by this same thread in the first pass).
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL>
+template <typename T, int ALGO, int PACK, bool RESIDUAL>
 __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP;
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent);
   const Load<T, C, false> again{RESIDUAL ? h : x, rows_at(RESIDUAL ? sh : sx)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -544,7 +596,8 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 // norm_rows), and the blocks' statistics meet in distributed shared memory. ROWS rows a pass
 // (consecutive; Plan.rows_per_pass): each block's slice of gamma and beta is read once for
 // them, where the slice, read from L2 for every row, would double or triple what the block
-// reads besides x.
+// reads besides x. WEIGHT and BIAS are template switches here, not null pointers: run-time
+// presence cost these kernels 1-6 points of copy speed (AffineStore).
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
           bool OVERLAP, int MIN_BLOCKS, int ROWS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1)
@@ -552,7 +605,7 @@ __launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
 layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
   static_assert(MIN_BLOCKS == 1 || MIN_BLOCKS == 3, "MIN_BLOCKS: 1, or 3 blocks of <= 512 threads");
   static_assert(ROWS == 1 || ROWS == 2, "ROWS: 1 or 2 rows a pass");
-  CUKERN_NORM_FWD_SETUP;
+  CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS);
   constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
   const int num_packs = cols / PACK;

@@ -23,11 +23,14 @@
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
-// the cluster size, the fused-functor switches WEIGHT, BIAS, RESIDUAL, whether a cached
-// forward block overlaps its rows (OVERLAP: a loop of different registers), and for a cached
-// backward with WEIGHT where its column sums live (REGS) and whether gamma is copied into shared
-// memory (GAMMA). The group width (blockDim.x of the warp kernel), the block size, padding and
-// the number of buffers of a cached backward are read at run time.
+// the cluster size, the forward's fused RESIDUAL (a read and a write more), the forward
+// cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a cached
+// forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
+// WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether
+// gamma is copied into shared memory (GAMMA). The group width (blockDim.x of the warp kernel),
+// the block size, padding, the number of buffers of a cached backward and whether the forward
+// warp and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
+// AffineStore) are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
 // Every pointer and row stride is a multiple of PACK elements (the planner checks).

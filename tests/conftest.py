@@ -1,7 +1,12 @@
 """Shared fixtures. GPU tests carry the ``gpu`` marker and skip, with the reason, where no CUDA
-device is visible; everything else runs on any machine."""
+device is visible; everything else runs on any machine. Tests marked ``nvrtc(family)`` compile
+every instantiation of a family with NVRTC, in the background from the end of collection
+(``nvrtc_results``)."""
 
 from __future__ import annotations
+
+import concurrent.futures as cf
+import os
 
 import numpy as np
 import pytest
@@ -238,3 +243,86 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
             return size, threads, with_gamma, in_regs, True
         return size, threads, smem, in_regs, False
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC compile checks without a GPU: every kernel instantiation a family's planner can reach
+# (registry.kernel_names), compiled for sm_80 and sm_90. A test marked ``nvrtc(family)`` and
+# parametrised by ``arch`` gets its programs (one a source and dtype, split into near-equal
+# parts of at most NVRTC_CHUNK names) submitted to one pool of processes when collection ends,
+# the largest first: they compile while the tests before it run, and no core waits at the end
+# of one test for the last program of another. The test then waits for them (nvrtc_results).
+
+NVRTC_ARCHS = {"sm_80": "a100", "sm_90": "h100"}  # the device model whose plans each compiles
+NVRTC_CHUNK = 64  # names a program: a part takes ~10-20 s on a core; the front end ~0.2 s
+_nvrtc_pool: cf.ProcessPoolExecutor | None = None
+_nvrtc_jobs: dict[tuple[str, str], list] = {}  # (family, arch) -> [(source, dtype, names, job)]
+
+
+def nvrtc_programs(family: str, arch: str) -> list[tuple[str, str, list[str]]]:
+    """(source, dtype, names) for every NVRTC program of ``family``'s compile check on
+    ``arch``: each source's names of a dtype (all of the family's ops) in near-equal parts."""
+    from cukern import registry
+    from cukern._device import DeviceSpec
+
+    device = getattr(DeviceSpec, NVRTC_ARCHS[arch])()
+    ops = [name for name, op in registry.OPS.items() if op.family == family]
+    assert ops, f"no ops in family {family!r}"
+    programs = []
+    for dt in DTYPES:
+        for source, names in sorted(registry.kernel_names(ops, [dt], device).items()):
+            names = sorted(names)
+            parts = -(-len(names) // NVRTC_CHUNK)
+            programs += [(source, dt, names[i::parts]) for i in range(parts)]
+    return programs
+
+
+def _nvrtc_submit(wanted) -> None:
+    """Submits the programs of the (family, arch) pairs in ``wanted`` not yet submitted, the
+    largest first (sm_90 programs, with their clusters, take longer a name)."""
+    global _nvrtc_pool
+    from cukern import _compile
+
+    todo = [(key, prog) for key in dict.fromkeys(wanted) if key not in _nvrtc_jobs
+            for prog in nvrtc_programs(*key)]
+    if not todo:
+        return
+    if _nvrtc_pool is None:
+        _nvrtc_pool = cf.ProcessPoolExecutor(max(1, os.cpu_count() or 1))
+    for key, _ in todo:
+        _nvrtc_jobs.setdefault(key, [])
+    todo.sort(key=lambda t: len(t[1][2]) * (2 if t[0][1] == "sm_90" else 1), reverse=True)
+    for (family, arch), (source, dt, names) in todo:
+        job = _nvrtc_pool.submit(_compile.compile_check, source, names, arch)
+        _nvrtc_jobs[family, arch].append((source, dt, names, job))
+
+
+def nvrtc_results(family: str, arch: str) -> list[tuple[str, str, list[str], dict]]:
+    """(source, dtype, names, name -> lowered symbol) of every program of ``family``'s compile
+    check on ``arch``, once compiled (a failure raises NVRTC's RuntimeError with its log)."""
+    _nvrtc_submit([(family, arch)])
+    return [(source, dt, names, job.result()) for source, dt, names, job in
+            _nvrtc_jobs[family, arch]]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nvrtc(family): compiles the family's instantiations "
+                            "(parametrised by arch; see nvrtc_results)")
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    wanted = []
+    for item in session.items:
+        mark = item.get_closest_marker("nvrtc")
+        if mark is not None:
+            wanted.append((mark.args[0], item.callspec.params["arch"]))
+    _nvrtc_submit(wanted)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _nvrtc_pool
+    if _nvrtc_pool is not None:
+        _nvrtc_pool.shutdown(wait=True, cancel_futures=True)
+        _nvrtc_pool = None

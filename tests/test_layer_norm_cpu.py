@@ -3,10 +3,8 @@ instantiation, references against independent formulations, argument validation.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import itertools
 import math
-import os
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from cukern.ops import layer_norm as ln
 from cukern.plan import HOPPER, Switches, Variant, plan_rowwise, replace
 from cukern.registry import policy
 
-from .conftest import col_sums_expected
+from .conftest import col_sums_expected, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -37,9 +35,12 @@ def default_switches(op):
     return policy(op).switch_sets[0]
 
 
-def switch_flags(op, sw):
-    """``sw`` as the op's switch flags in its kernels' template order, "true"/"false"."""
-    return tuple("true" if getattr(sw, f) else "false" for f in policy(op).switches)
+def switch_flags(op, sw, variant=Variant.WARP):
+    """``sw`` as the switch flags of the op's ``variant`` kernel's template arguments, in their
+    order, "true"/"false" (the forward's weight and bias are kernel arguments of its warp and
+    block kernels, template ones of its clusters)."""
+    return tuple("true" if getattr(sw, f) else "false"
+                 for f in norm.template_switches(op, variant))
 
 
 def trailing(a, ndims):
@@ -111,12 +112,16 @@ def test_name_expressions():
     p = plan_rowwise("layer_norm", 4096, 768, "float16", H100,
                      switches=Switches(weight=True, bias=True))
     assert p.name_expression() == \
-        "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, true, true, false>"
+        "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, false>"
+    # the forward's weight and bias are null pointers where absent: one kernel for all four
+    assert {plan_rowwise("layer_norm", 4096, 768, "float16", H100, switches=Switches(w, b)
+                         ).name_expression() for w in (False, True) for b in (False, True)} == \
+        {p.name_expression()}
     p = plan_rowwise("rms_norm", 4096, 4096, "bfloat16", H100,
                      switches=Switches(weight=True, residual=True))
     assert not p.overlap  # the last argument: whether blocks overlap their rows
     assert p.name_expression() == \
-        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true, false>"
+        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false>"
     p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, switches=WEIGHT)
     assert p.variant is Variant.CLUSTER
     regs = "true" if p.sums_in_registers else "false"
@@ -593,7 +598,7 @@ def test_backward_with_weight_uses_one_wave_of_blocks():
 def test_explain_knows_the_norms():
     p = cukern.explain("layer_norm", (8, 197, 768), "float16", device=H100)
     assert (p.rows, p.cols, p.variant) == (8 * 197, 768, Variant.WARP)
-    assert "layer_norm_warp<cukern::f16, 0, 8, 32, 1, false, false, false>" in str(p)
+    assert "layer_norm_warp<cukern::f16, 0, 8, 32, 1, false>" in str(p)
     p = cukern.explain("rms_norm_backward", (64, 8192), "bfloat16", device=H100)
     assert p.variant is Variant.BLOCK_SMEM
     # the call's weight, bias and residual choose the kernel too
@@ -649,23 +654,28 @@ def reachable(op, dtype, device):
 def test_reachable_sets():
     for op in NORM_OPS:
         pol = policy(op)
-        overlap_switch = pol.switches.index("residual") if pol.overlap_with_residual else -1
         for dt in ITEM:
             names = reachable(op, dt, H100)
             kernels = [n for n in names if "param_grad" not in n]
             assert set(kernels) == planner.reachable_plans(op, dt, H100)
-            n_extra = len(pol.switches)
 
             def switches(name):
-                """The op's switches: the forward's cached kernels end in Plan.overlap (its
-                clusters in Plan.overlap, Plan.min_blocks, then Plan.rows_per_pass)."""
+                """The op's template switches of the kernel: the forward's cached kernels end in
+                Plan.overlap (its clusters, with weight and bias switches, in Plan.overlap,
+                Plan.min_blocks, then Plan.rows_per_pass)."""
+                cluster = "_cluster<" in name
+                template_switches = norm.template_switches(
+                    op, Variant.CLUSTER if cluster else Variant.WARP)
+                n_extra = len(template_switches)
+                overlap_switch = (template_switches.index("residual")
+                                  if pol.overlap_with_residual else -1)
                 args = name[:-1].split(", ")
-                if overlap_switch >= 0 and "_cluster<" in name:
-                    # two rows a pass only for 16-bit layer norm with weight or bias, blocks of
-                    # at most 512 threads (MIN_BLOCKS 3) and no overlap
+                if overlap_switch >= 0 and cluster:
+                    # two rows a pass only for 16-bit layer norm with weight or bias and no
+                    # residual, blocks of at most 512 threads (MIN_BLOCKS 3) and no overlap
                     assert args[-1] == "1" or (args[-1] == "2" and args[-2] == "3" and ITEM[dt] == 2
-                                               and op == "layer_norm" and "true" in args[-6:-4]
-                                               ), name
+                                               and op == "layer_norm" and args[-4] == "false"
+                                               and "true" in args[-6:-4]), name
                     # MIN_BLOCKS 3 only for blocks that do not overlap their rows
                     assert args[-2] == "1" or args[-2] == "3" and args[-3] == "false", name
                     args = args[:-2]
@@ -678,12 +688,20 @@ def test_reachable_sets():
                     args = args[:-1]
                 return tuple(args[-n_extra:])
 
-            # every switch combination, and nothing else
-            assert {switches(n) for n in kernels} == {switch_flags(op, sw)
-                                                      for sw in pol.switch_sets}
-            if op == "rms_norm":  # no bias
-                assert all(switches(n)[1] == "false" for n in kernels)
-            if overlap_switch >= 0:  # both ways with a residual, for the block kernel
+            # every switch combination, and nothing else, for each kind of kernel (the
+            # forward's clusters over weight, bias and residual; the rest over residual)
+            clusters = [n for n in kernels if "_cluster<" in n and op in norm.CLUSTER_SWITCHES]
+            others = [n for n in kernels if n not in clusters]
+            assert {switches(n) for n in others} == {switch_flags(op, sw)
+                                                     for sw in pol.switch_sets}
+            if op in norm.CLUSTER_SWITCHES:
+                assert {switches(n) for n in clusters} == {switch_flags(op, sw, Variant.CLUSTER)
+                                                           for sw in pol.switch_sets}
+            if op == "rms_norm":  # no bias (its kernels, ALGO 1, never read beta)
+                assert not any(sw.bias for sw in pol.switch_sets)
+                assert all(n.split(", ")[1] == "1" for n in kernels)
+                assert all(switches(n)[1] == "false" for n in clusters)
+            if pol.overlap_with_residual:  # both ways with a residual, for the block kernel
                 assert any(n.endswith(", true, true>") and "_block_smem<" in n for n in kernels)
                 assert any(n.endswith(", true, false>") and "_block_smem<" in n for n in kernels)
                 # clusters: both launch bounds without overlap, the wide one with it; two rows a
@@ -704,28 +722,25 @@ def test_reachable_sets():
             assert {n for n in names if "cluster" not in n} == a100
 
 
-def _compile_group(args):
-    op, dtype, arch = args
-    device = H100 if arch == "sm_90" else A100
-    n = n_lowered = 0
-    # every kernel the op can launch, by kernel source (forward "layer_norm", backward
-    # "layer_norm_grad", with its auxiliary kernels)
-    for source, names in registry.kernel_names([op], [dtype], device).items():
-        lowered = _compile.compile_check(source, sorted(names), arch)
-        n += len(names)
-        n_lowered += sum(1 for v in lowered.values() if v)
-    return op, dtype, n, n_lowered
-
-
+@pytest.mark.nvrtc("norm")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_reachable_instantiation_compiles(arch):
-    groups = [(op, dt, arch) for op in NORM_OPS for dt in ITEM]
-    workers = max(1, min(len(groups), os.cpu_count() or 1))
-    with cf.ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(_compile_group, groups))
-    for op, dtype, n, lowered in results:
-        assert n > 20, (op, dtype)
-        assert lowered == n, (op, dtype)
+    # every kernel each op can launch, by kernel source (forward "layer_norm", backward
+    # "layer_norm_grad", with its auxiliary kernels), compiled in the background since
+    # collection ended (conftest.nvrtc_results: a source's names of a dtype in a few programs)
+    device = H100 if arch == "sm_90" else A100
+    lowered = {}
+    for source, _, names, result in nvrtc_results("norm", arch):
+        assert set(result) == set(names), source
+        lowered.update(((source, n), v) for n, v in result.items())
+    for op in NORM_OPS:
+        for dtype in ITEM:
+            n = 0
+            for source, names in registry.kernel_names([op], [dtype], device).items():
+                missing = [name for name in names if not lowered.get((source, name))]
+                assert not missing, (op, dtype, missing[:3])
+                n += len(names)
+            assert n > 20, (op, dtype)
 
 
 def test_source_inlines_includes_once():

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import os
-
 import numpy as np
 import pytest
 
@@ -13,6 +10,8 @@ from cukern import _compile, reference, registry, runner
 from cukern import plan as planner
 from cukern._device import DeviceSpec
 from cukern.plan import HOPPER, Variant, plan_rowwise
+
+from .conftest import nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -246,27 +245,23 @@ def test_model_occupancy():
 # ---------------------------------------------------------------------------------------------
 # NVRTC: every instantiation the planner can produce compiles for Ampere and Hopper.
 
-def _compile_group(args):
-    source, names, arch = args
-    lowered = _compile.compile_check(source, names, arch)
-    return len(names), sum(1 for v in lowered.values() if v)
-
-
+@pytest.mark.nvrtc("softmax")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_reachable_instantiation_compiles(arch):
-    # every kernel the softmax ops can launch, by kernel source, one group per (source, dtype):
-    # the kernels take the group width and block size at run time, so one (op, dtype) alone
-    # reaches fewer than 100 instantiations; the four ops of a dtype share the source
+    # every kernel the softmax ops can launch, compiled in the background since collection
+    # ended (conftest.nvrtc_results): the kernels take the group width and block size at run
+    # time, so one (op, dtype) alone reaches fewer than 100 instantiations
     device = H100 if arch == "sm_90" else A100
-    groups = [(source, sorted(names), arch, dt) for dt in ITEM
-              for source, names in registry.kernel_names(FWD + BWD, [dt], device).items()]
-    assert {g[0] for g in groups} == {"softmax"}
-    workers = max(1, min(len(groups), os.cpu_count() or 1))
-    with cf.ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(_compile_group, [g[:3] for g in groups]))
-    for (source, _, _, dtype), (n, lowered) in zip(groups, results):
-        assert n > 100, (source, dtype)
-        assert lowered == n, (source, dtype)
+    lowered = {}
+    for source, _, names, result in nvrtc_results("softmax", arch):
+        assert source == "softmax"
+        assert set(result) == set(names)
+        lowered.update(result)
+    for dt in ITEM:
+        names = registry.kernel_names(FWD + BWD, [dt], device)["softmax"]
+        missing = [n for n in names if not lowered.get(n)]
+        assert not missing, (dt, missing[:3])
+        assert len(names) > 100, dt
 
 
 def test_reachable_covers_planner_output():

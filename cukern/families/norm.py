@@ -2,12 +2,16 @@
 (``kernels/layer_norm.cuh``) and backward with dweight/dbias (``kernels/layer_norm_grad.cuh``;
 two headers only to keep each readable, both on ``kernels/norm.cuh``).
 
-Kernel signatures (group width and block size are read from the launch; switches are the
-fused functors WEIGHT, BIAS, RESIDUAL of the forward and WEIGHT of the backward)::
+Kernel signatures (group width and block size are read from the launch; the switches that
+are template arguments are the forward's RESIDUAL, which adds a read and a write, its cluster
+kernels' WEIGHT and BIAS, and the backward's WEIGHT, which sizes its column sums; the forward's
+warp and block kernels read weight and bias at run time, absent as null pointers, so one
+instantiation serves every Switches of a residual setting, while its clusters keep them as
+switches: run-time presence cost them 1-6 points of copy speed)::
 
-    layer_norm_warp<T, ALGO, PACK, CPT, RPA, W, B, R>
-    layer_norm_block_smem<T, ALGO, PACK, W, B, R, OVERLAP>
-    layer_norm_block_uncached<T, ALGO, PACK, W, B, R>
+    layer_norm_warp<T, ALGO, PACK, CPT, RPA, R>
+    layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP>
+    layer_norm_block_uncached<T, ALGO, PACK, R>
     layer_norm_cluster<T, ALGO, PACK, CLUSTER, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
     layer_norm_grad_warp<T, ALGO, PACK, CPT, RPA, W>
     layer_norm_grad_block_smem<T, ALGO, PACK, W, REGS, GAMMA>
@@ -22,9 +26,27 @@ import itertools
 
 from ..plan import CPP_TYPES, OpPolicy, Plan, Switches, Variant
 
-__all__ = ["POLICIES", "name_expression", "aux_kernels", "min_blocks"]
+__all__ = ["POLICIES", "TEMPLATE_SWITCHES", "CLUSTER_SWITCHES", "template_switches",
+           "name_expression", "aux_kernels", "min_blocks"]
 
 FORWARD, BACKWARD = "layer_norm", "layer_norm_grad"  # kernel sources
+
+
+# The switches that are template arguments, in the kernels' order: the forward's residual (a
+# read and a write more), the backward's weight (column sums). The forward's warp and block
+# kernels take weight and bias as kernel arguments, null where absent; its clusters take them
+# as template switches too (CLUSTER_SWITCHES; RMS norm's bias is always false).
+TEMPLATE_SWITCHES = {"layer_norm": ("residual",), "rms_norm": ("residual",),
+                     "layer_norm_backward": ("weight",), "rms_norm_backward": ("weight",)}
+CLUSTER_SWITCHES = {"layer_norm": ("weight", "bias", "residual"),
+                    "rms_norm": ("weight", "bias", "residual")}
+
+
+def template_switches(op: str, variant: Variant) -> tuple[str, ...]:
+    """The switches of ``op`` that are template arguments of its ``variant`` kernel, in order."""
+    if variant is Variant.CLUSTER and op in CLUSTER_SWITCHES:
+        return CLUSTER_SWITCHES[op]
+    return TEMPLATE_SWITCHES[op]
 
 
 def _tf(flag: bool) -> str:
@@ -45,14 +67,12 @@ def name_expression(plan: Plan) -> str:
     elif v is Variant.CLUSTER:
         args.append(plan.cluster)
     cached = v in (Variant.BLOCK_SMEM, Variant.CLUSTER)
+    args += [_tf(getattr(sw, s)) for s in template_switches(pol.op, v)]
     if pol.col_sums:  # backward
-        args.append(_tf(sw.weight))
         if cached:
             args += [_tf(plan.sums_in_registers), _tf(plan.gamma_in_smem)]
-    else:
-        args += [_tf(sw.weight), _tf(sw.bias), _tf(sw.residual)]
-        if cached:
-            args.append(_tf(plan.overlap))
+    elif cached:
+        args.append(_tf(plan.overlap))
         if v is Variant.CLUSTER:
             args += [min_blocks(plan), plan.rows_per_pass]
     return f"cukern::{pol.kernel}_{v.value}<{', '.join(map(str, args))}>"

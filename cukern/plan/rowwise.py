@@ -252,6 +252,8 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
     packs = sorted({pack_size(dtype, c, 16, False) for c in (1, 2, 4, 8, 16)})
     layouts = [(p, False) for p in packs] + ([(1, True)] if pol.strided else [])
     names: set[str] = set()
+    # every switch set: the forward's warp and block names collapse over weight and bias (kernel
+    # arguments, null where absent), its cluster names do not (template switches)
     for (pack, strided), sw in itertools.product(layouts, pol.switch_sets):
         base = dict(op=pol.op, dtype=dtype, rows=1, cols=1, pack_size=pack, strided=strided,
                     device=device.name, grid=1, switches=sw, policy=pol)
@@ -261,9 +263,10 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
             names.add(Plan(variant=variant, block=(threads, 1), smem_bytes=0, **shape, **kw,
                            **base).name_expression())
 
-        for cols, rows in itertools.product(range(pack, tune.warp_max_cols + 1, pack), (1, 2)):
-            width, cpt, rpa, padding = warp_shape(cols, pack, rows,
-                                                  two_packs=_two_packs(pol, sw, pack * item))
+        two_packs = _two_packs(pol, sw, pack * item)
+        shapes = {warp_shape(cols, pack, rows, two_packs=two_packs) for cols, rows in
+                  itertools.product(range(pack, tune.warp_max_cols + 1, pack), (1, 2))}
+        for width, cpt, rpa, padding in shapes:  # each distinct shape once
             add(Variant.WARP, width, cols_per_thread=cpt, thread_group_width=width,
                 rows_per_access=rpa, padding=padding)
         sums = pol.col_sums if sw.weight else 0
