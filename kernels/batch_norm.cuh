@@ -62,6 +62,15 @@ __host__ __device__ constexpr int unroll_for(int bytes) {
   return bytes >= 32 ? 1 : (32 / bytes > 8 ? 8 : 32 / bytes);
 }
 
+// Packs a thread of a columns elementwise pass keeps in flight, given the bytes a pack index
+// reads (PACK * sizeof(T) per tensor: x, and the addend or dy): about 128 bytes, at most 8
+// packs. Its PACK channels' coefficients stay in registers for the whole grid-strided loop,
+// so the planner sizes the grid to about one resident wave and every load a thread issues
+// serves the same coefficients (at 32 bytes and 12 blocks an SM a thread did ~2 packs).
+__host__ __device__ constexpr int unroll_cols(int bytes) {
+  return bytes >= 128 ? 1 : (128 / bytes > 8 ? 8 : 128 / bytes);
+}
+
 // Packs a thread of a reduction keeps in flight: about 64 bytes (4 packs of 16 bytes), at most
 // 16 packs. Reductions run fewer blocks than the elementwise passes (few partial states), so
 // each thread loads more at a time.
@@ -469,9 +478,10 @@ __global__ void __launch_bounds__(256)
 // y = relu?((x - mean) * scale + shift [+ addend]) over the flat packs of the tensor (coef
 // null: eval, the coefficients computed from running_mean, running_var, weight, bias and eps
 // as the finalize kernel would, saving its launch), grid-strided: each thread takes U packs
-// G = gridDim.x * blockDim.x apart, so each warp covers 32 consecutive packs at a time (the
-// mask's ballots); the grid is about one wave, so a thread loops over many packs. j = the
-// pack's index within one (C, B) sample (CBp packs); its channels are bn::plane_span(j)
+// G = gridDim.x * blockDim.x apart (planes: bn::unroll_for, ~32 bytes; columns:
+// bn::unroll_cols, ~128 bytes of x and addend), so each warp covers 32 consecutive packs at a
+// time (the mask's ballots); the grid is about one wave, so a thread loops over many packs.
+// j = the pack's index within one (C, B) sample (CBp packs); its channels are bn::plane_span(j)
 // (planes: one, or two where B is not a multiple of PACK) or PACK j.. (columns, where the host
 // makes G a multiple of CBp, so a thread's channels never change and their coefficients,
 // loaded once, stay in registers). mask (or null): ceil(numel / 32) words.
@@ -486,7 +496,8 @@ __global__ void __launch_bounds__(256)
                      const typename Num<T>::compute* weight,
                      const typename Num<T>::compute* bias, typename Num<T>::compute eps) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  constexpr int U = COLS ? bn::unroll_cols((ADD ? 2 : 1) * PACK * static_cast<int>(sizeof(T)))
+                         : bn::unroll_for(PACK * sizeof(T));
   const i64 G = static_cast<i64>(gridDim.x) * blockDim.x;
   const int lane = static_cast<int>(lane_id());
   const i64 warp0 = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
@@ -685,8 +696,9 @@ __global__ void __launch_bounds__(256)
   if (g.t == 0) bn::GradFinish<C>{CUKERN_BN_GRAD_FINISH_ARGS}(g.c, st);
 }
 
-// dx = k1 * g + k2 * (x - mean) + k3 over the flat packs (as batch_norm_apply); x is not read
-// when it is null (eval: k2 = 0). daddend (or null) = g.
+// dx = k1 * g + k2 * (x - mean) + k3 over the flat packs (as batch_norm_apply; columns:
+// bn::unroll_cols of dy and x); x is not read when it is null (eval: k2 = 0). daddend (or
+// null) = g.
 template <typename T, int PACK, bool COLS, bool SPAN>
 __global__ void __launch_bounds__(256)
     batch_norm_dx(const T* __restrict__ dy, const T* __restrict__ x,
@@ -695,7 +707,8 @@ __global__ void __launch_bounds__(256)
                   T* __restrict__ dx, T* __restrict__ daddend, i64 total, int CBp, int d,
                   unsigned d_m, unsigned d_s, unsigned upp) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_for(PACK * sizeof(T));
+  constexpr int U = COLS ? bn::unroll_cols(2 * PACK * static_cast<int>(sizeof(T)))
+                         : bn::unroll_for(PACK * sizeof(T));
   const i64 G = static_cast<i64>(gridDim.x) * blockDim.x;
   const int lane = static_cast<int>(lane_id());
   const i64 warp0 = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);

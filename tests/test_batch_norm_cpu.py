@@ -5,10 +5,10 @@ the mask's bit layout), NVRTC compilation of every reachable instantiation for s
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import dataclasses
 import math
-import os
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +19,8 @@ from cukern._device import DeviceSpec
 from cukern.families import batch_norm as fam
 from cukern.plan import HOPPER, ITEMSIZE
 from cukern.plan import batch_norm as bp
+
+from .conftest import nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -129,7 +131,7 @@ def _elementwise_visits(plan_, view):
     assert total == view.numel // pack
     threads = step.block[0]
     G = step.grid[0] * threads
-    u_n = bp.unroll_for(pack * ITEMSIZE[plan_.dtype])
+    u_n = bp.elementwise_unroll(step.kind, plan_.dtype, pack, cols, plan_.addend)
     rG = G % cbp
     visits = []
     for tid in range(G):
@@ -336,15 +338,20 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
             assert ew.grid[0] <= 2**31 - 1
             if p.layout == bp.COLUMNS:
                 assert ew.grid[0] * ew.block[0] % (c // p.pack) == 0
-                # the waves grid where it leaves a thread >= PACK / bn_apply_cols_coefs_per_pack
-                # packs, else bn_apply_blocks_per_sm_cols an SM (rounded up to whole samples)
+                # each thread ~128 bytes in flight (bn::unroll_cols); up to bn_apply_waves
+                # waves, or about one resident wave (bn_apply_blocks_per_sm_cols an SM) where
+                # the waves would leave a thread fewer than PACK / bn_apply_cols_coefs_per_pack
+                # packs; rounded to whole samples
                 packs = p.view.numel // p.pack
-                need = -(-packs // (ew.block[0] * bp.unroll_for(p.pack * ITEMSIZE[dtype])))
-                waves = min(need, H100.sms * H100.model_occupancy(ew.block[0], 0)
-                            * t.bn_apply_waves)
+                u = bp.elementwise_unroll(ew.kind, dtype, p.pack, True, p.addend)
+                step_bytes = p.pack * ITEMSIZE[dtype] * (2 if ew.kind == "dx" or p.addend
+                                                         else 1)
+                assert u == bp.unroll_cols(step_bytes) == min(8, 128 // step_bytes)
+                need = -(-packs // (ew.block[0] * u))
+                waves = H100.sms * 8 * t.bn_apply_waves  # 8 blocks of 256 threads an SM
                 few = packs * t.bn_apply_cols_coefs_per_pack < waves * ew.block[0] * p.pack
-                cap = H100.sms * t.bn_apply_blocks_per_sm_cols if few else waves
-                assert ew.grid[0] < cap + c // p.pack
+                cap = min(need, H100.sms * t.bn_apply_blocks_per_sm_cols if few else waves)
+                assert cap - c // p.pack < ew.grid[0] < cap + c // p.pack
         for s in p.steps:
             assert s.kernel in fam.kernel_names(op)(dtype)
 
@@ -381,22 +388,27 @@ def test_splits_fill_the_gpu_and_respect_their_caps():
     p = plan("batch_norm_backward", (8, 64, 16, 56, 56), "float16", "NHWC")
     resident_grad = H100.sms * t.bn_cols_reduce_blocks_per_sm
     assert p.splits == min(t.bn_max_splits, resident_grad * t.bn_reduce_waves)
-    # 32-pack tiles capped by traffic (2 x 261 blocks): 16-pack ones, one whole wave
+    # 32-pack tiles capped by traffic (2 x 261 blocks): kept (bn_cols_min_tile_packs)
     p = plan("batch_norm", (64, 512, 28, 28), "float16", "NHWC")
-    assert p.steps[0].block == (16, 16)
-    assert p.steps[0].grid[0] * p.splits == resident
-    assert p.splits <= bp.partial_cap(p.view, "float16", 3, t)
+    assert p.steps[0].block == (32, 8)
+    assert p.steps[0].grid[0] * p.splits <= resident
+    assert p.splits == bp.partial_cap(p.view, "float16", 3, t)
     assert plan("batch_norm", (10**6, 8), "float32").splits <= t.bn_max_splits
 
 
-def test_columns_tiles_narrow_to_fill_the_gpu():
+def test_columns_tiles_narrow_only_to_the_tuning_minimum():
     t = HOPPER
-    resident = H100.sms * t.bn_cols_stats_blocks_per_sm
-    # many channels over few rows: 8-pack tiles, more blocks than 32-pack ones would give
+    # many channels over few rows: 32-pack tiles at the H100's bn_cols_min_tile_packs (the
+    # 8-pack ones' more blocks were slower), 8-pack ones where the minimum allows
     p = plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC")
-    assert p.steps[0].block == (8, 32) and p.steps[0].grid[0] == 2048 // 8 // 8
-    assert p.steps[0].grid[0] * p.splits <= resident
-    assert p.steps[0].grid[0] * p.splits > 8 * 16  # the 32-pack tiles' 128 blocks
+    assert t.bn_cols_min_tile_packs == 32
+    assert p.steps[0].block == (32, 8) and p.steps[0].grid == (8, 16)
+    narrow = dataclasses.replace(t, bn_cols_min_tile_packs=8)
+    with mock.patch.object(bp, "tuning_for", lambda device: narrow):
+        q = bp.plan_batch_norm("batch_norm", p.view, "float16", H100)
+    assert q.steps[0].block == (8, 32) and q.steps[0].grid[0] == 2048 // 8 // 8
+    assert q.steps[0].grid[0] * q.splits <= H100.sms * t.bn_cols_stats_blocks_per_sm
+    assert q.steps[0].grid[0] * q.splits > 8 * 16  # the 32-pack tiles' 128 blocks
     # enough rows: the widest tiles
     p = plan("batch_norm", (256, 256, 56, 56), "float16", "NHWC")
     assert p.steps[0].block == (32, 8)
@@ -414,6 +426,14 @@ def test_merge_is_a_block_a_channel_for_few_channels_and_many_splits():
     p = plan("batch_norm", (16, 4096, 8), "float32")
     if p.splits <= 32 and p.steps[1].kind == "finalize":
         assert p.steps[1].grid == (4096 // fin,)
+    # many splits, but enough channels for 1 / bn_block_merge_sm_fraction of the SMs in warp
+    # blocks: a warp a channel
+    p = plan("batch_norm", (64, 1024, 14, 14), "float16", "NHWC")
+    assert p.splits > 32
+    assert 1024 // fin * HOPPER.bn_block_merge_sm_fraction >= H100.sms
+    assert p.steps[1].grid == (1024 // fin,)
+    p = plan("batch_norm", (64, 256, 56, 56), "float16", "NHWC")
+    assert p.splits > 32 and p.steps[1].grid == (256,)
     # eval with statistics: nothing to merge, a warp a channel
     p = plan("batch_norm", (8, 64, 4, 4), "float32", training=False, return_stats=True)
     assert p.steps[0].grid == (64 // fin,)
@@ -516,23 +536,21 @@ def test_reachable_covers_planner_output():
         assert set(p.kernel_names()) <= reach, (op, shape, dtype, layout, kw)
 
 
-def _compile_group(args):
-    dtype, arch = args
-    device = H100 if arch == "sm_90" else A100
-    names = registry.kernel_names(list(OPS), [dtype], device)["batch_norm"]
-    lowered = _compile.compile_check("batch_norm", sorted(names), arch)
-    return dtype, len(names), sum(1 for v in lowered.values() if v)
-
-
+@pytest.mark.nvrtc("batch_norm")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_reachable_instantiation_compiles(arch):
-    groups = [(dt, arch) for dt in DTYPES]
-    workers = max(1, min(len(groups), os.cpu_count() or 1))
-    with cf.ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(_compile_group, groups))
-    for dtype, n, lowered in results:
-        assert n >= 20, dtype
-        assert lowered == n, dtype
+    # every kernel the family's ops can launch, compiled in the background since collection
+    # ended (conftest.nvrtc_results)
+    device = H100 if arch == "sm_90" else A100
+    lowered = {}
+    for source, _, names, result in nvrtc_results("batch_norm", arch):
+        assert source == "batch_norm" and set(result) == set(names)
+        lowered.update(result)
+    for dtype in DTYPES:
+        names = registry.kernel_names(list(OPS), [dtype], device)["batch_norm"]
+        missing = [n for n in names if not lowered.get(n)]
+        assert not missing, (dtype, missing[:3])
+        assert len(names) >= 20, dtype
 
 
 def test_source_inlines_includes_once():
@@ -702,3 +720,22 @@ def test_gpu_smoke_against_reference(shape, layout, dtype):
     _close(cp.asnumpy(v1), vs, dtype, "batch var")
     dx2 = cukern.batch_norm_backward(dy, x, mean, invstd, w, mask=mask)[0]
     assert (_to_host(dx2) == _to_host(dx)).all()
+
+
+@pytest.mark.parametrize("shape,dtype,waves", [
+    ((64, 64, 112, 112), "float16", True),    # 6.4 M packs: ~6 a thread over 4 waves
+    ((16384, 1024), "float32", True),         # 4.2 M packs of 4: ~4 a thread
+    ((64, 512, 28, 28), "float16", False),    # 3.2 M packs of 8: ~3 a thread
+    ((64, 2048, 7, 7), "float16", False),
+    ((64, 2048, 7, 7), "float32", False),
+])
+def test_columns_elementwise_grid_by_packs_a_thread(shape, dtype, waves):
+    # the columns apply pass runs the waves grid where it gives each thread at least PACK /
+    # bn_apply_cols_coefs_per_pack packs, else one resident wave of bn_apply_blocks_per_sm_cols
+    p = plan("batch_norm", shape, dtype, layout="NHWC", training=False)
+    t = HOPPER
+    grid = p.steps[-1].grid[0]
+    if waves:
+        assert grid > H100.sms * 8
+    else:
+        assert grid <= H100.sms * t.bn_apply_blocks_per_sm_cols

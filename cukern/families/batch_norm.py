@@ -4,12 +4,15 @@ the channel axis of a dense tensor in the planes (NCHW) or columns (NHWC) layout
 
 Kernel signatures (every shape, split count and grid is read from the launch)::
 
-    batch_norm_stats_planes<T, PACK>          batch_norm_stats_cols<T, PACK>
+    batch_norm_stats_planes<T, PACK, SPAN>    batch_norm_stats_cols<T, PACK>
     batch_norm_finalize<C>                    (C: float, or double for double data)
-    batch_norm_apply<T, PACK, COLS, ADD>
-    batch_norm_grad_planes<T, PACK>           batch_norm_grad_cols<T, PACK>
+    batch_norm_apply<T, PACK, COLS, ADD, SPAN>
+    batch_norm_grad_planes<T, PACK, SPAN>     batch_norm_grad_cols<T, PACK>
     batch_norm_grad_finalize<C>
-    batch_norm_dx<T, PACK, COLS>
+    batch_norm_dx<T, PACK, COLS, SPAN>
+
+SPAN (planes only; false for COLS): B is not a multiple of PACK, so a pack may span two
+channels' planes (7x7 in 16-byte packs: ``cukern.plan.batch_norm.spans``).
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from .policy import AMPERE, HOPPER, Tuning, tuning_for
 
 __all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strides",
            "fast_div", "pack_for", "flat_pack_for", "spans", "plane_packs", "flat_args",
-           "partial_cap", "unroll_for", "unroll_reduce", "plan_batch_norm", "reachable_steps",
-           "OPS", "INT32_MAX"]
+           "partial_cap", "unroll_for", "unroll_cols", "elementwise_unroll", "unroll_reduce",
+           "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
 
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
 INT32_MAX = 2**31 - 1
@@ -118,6 +118,21 @@ def unroll_for(pack_bytes: int) -> int:
     """Packs a thread of an elementwise pass keeps in flight (the kernels' bn::unroll_for):
     about 32 bytes, at most 8."""
     return 1 if pack_bytes >= 32 else min(8, 32 // pack_bytes)
+
+
+def unroll_cols(step_bytes: int) -> int:
+    """Packs a thread of a columns elementwise pass keeps in flight (bn::unroll_cols), given
+    the bytes one pack index reads (PACK * itemsize per tensor read: x, and the addend or dy):
+    about 128 bytes, at most 8."""
+    return 1 if step_bytes >= 128 else min(8, 128 // step_bytes)
+
+
+def elementwise_unroll(kind: str, dtype: str, pack: int, cols: bool, addend: bool) -> int:
+    """Packs in flight a thread of the apply / dx pass (the kernels' U)."""
+    if not cols:
+        return unroll_for(pack * ITEMSIZE[dtype])
+    streams = 2 if kind == "dx" or addend else 1
+    return unroll_cols(streams * pack * ITEMSIZE[dtype])
 
 
 def unroll_reduce(pack_bytes: int) -> int:
@@ -296,17 +311,16 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         return max(1, n)
 
     if cols:
-        # tiles of TX channel packs by TY rows; narrower tiles (down to 8 packs: a warp still
-        # reads whole 128-byte lines) where the widest leave the SMs short of blocks: many
-        # channels over few rows (fp16 NHWC (64, 2048, 7, 7): 8 tiles x 16 splits were 128
-        # blocks, one an SM, 16 KB in flight)
+        # tiles of TX channel packs by TY rows; narrower tiles (down to the tuning's
+        # bn_cols_min_tile_packs) where the widest leave the SMs short of blocks
         cp = c // pack
         shapes = []
         tx = min(1 << max(0, (cp - 1).bit_length()), 32)
         while True:
             lanes = -(-cp // tx)
-            shapes.append((min(lanes * split(lanes, a // (threads // tx)), resident), -tx, tx))
-            if tx <= 8 or lanes * split(lanes, a // (threads // tx)) >= resident:
+            blocks = lanes * split(lanes, a // (threads // tx))
+            shapes.append((min(blocks, resident), -tx, tx))
+            if tx <= tuning.bn_cols_min_tile_packs or blocks >= resident:
                 break
             tx //= 2
         tx = max(shapes)[2]
@@ -336,21 +350,24 @@ def partial_cap(view: ChannelView, dtype: str, state_values: int, tuning: Tuning
 
 
 def _elementwise_grid(view: ChannelView, pack: int, dtype: str, device: DeviceSpec,
-                      tuning: Tuning) -> int:
+                      tuning: Tuning, u: int) -> int:
+    """The apply / dx grid for ``u`` packs in flight a thread: up to bn_apply_waves waves; in
+    the columns layout, where that leaves a thread too few packs to amortise loading its PACK
+    channels' coefficients, about one resident wave (bn_apply_blocks_per_sm_cols an SM), each
+    thread looping over many rows of its fixed channels."""
     threads = tuning.bn_apply_threads
     total = view.numel // pack
-    u = unroll_for(pack * ITEMSIZE[dtype])
     need = max(1, -(-total // (threads * u)))
-    grid = min(need, device.sms * _occupancy(device, threads) * tuning.bn_apply_waves)
-    # columns: a thread loads its PACK channels' coefficients once; where the waves grid
-    # leaves it fewer than PACK / bn_apply_cols_coefs_per_pack packs, a smaller grid
-    if (view.layout == COLUMNS
-            and total * tuning.bn_apply_cols_coefs_per_pack < grid * threads * pack):
+    waves = device.sms * _occupancy(device, threads) * tuning.bn_apply_waves
+    grid = min(need, waves)
+    if view.layout == COLUMNS and total * tuning.bn_apply_cols_coefs_per_pack < \
+            waves * threads * pack:  # too few packs a thread for its PACK channels' setup
         grid = min(need, device.sms * tuning.bn_apply_blocks_per_sm_cols)
     if view.layout == COLUMNS:  # a thread's channels stay fixed: grid * threads % (C/pack) == 0
         cbp = view.channels // pack
         q = cbp // math.gcd(cbp, threads)
-        grid = -(-grid // q) * q
+        # down to a multiple of q where one fits (no second, partial wave), else up to q
+        grid = max(q, grid // q * q)
     return grid
 
 
@@ -358,9 +375,10 @@ def _merge_grid(channels: int, splits: int, device: DeviceSpec, tuning: Tuning) 
     """The merge kernels' grid (blocks of (32, bn_finalize_channels)): a warp a channel, or,
     where that leaves the SMs mostly idle and each lane would fold several states in a row
     (few channels, many splits: C = 64 with 528 splits was 8 blocks, 17 dependent merges a
-    lane), a block a channel (bn::Merger: the kernels tell the two by gridDim.x == C)."""
+    lane), a block a channel (bn::Merger: the kernels tell the two by gridDim.x == C); the
+    tuning's bn_block_merge_sm_fraction says how idle "mostly" is."""
     warps = -(-channels // tuning.bn_finalize_channels)
-    if splits > 32 and warps < device.sms:
+    if splits > 32 and warps * tuning.bn_block_merge_sm_fraction < device.sms:
         return (channels,)
     return (warps,)
 
@@ -396,7 +414,6 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     steps: list[Step] = []
     splits = 0
     cols = view.layout == COLUMNS
-    ew_grid = (_elementwise_grid(view, pack, dtype, device, tuning),)
     ew_block = (tuning.bn_apply_threads,)
     notes = []
     if op in ("batch_stats",) or (op == "batch_norm" and training):
@@ -415,9 +432,14 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     elif op == "batch_norm" and return_stats:
         steps.append(Step("finalize", (compute,), fin_grid, fin,
                           what="mean, invstd and coefficients from the running statistics"))
+
+    def ew_grid(kind: str) -> tuple[int]:
+        u = elementwise_unroll(kind, dtype, pack, cols, addend)
+        return (_elementwise_grid(view, pack, dtype, device, tuning, u),)
+
     if op == "batch_norm":
         own = "" if training or return_stats else " (scale, shift from the running stats)"
-        steps.append(Step("apply", (dtype, pack, cols, addend, span), ew_grid, ew_block,
+        steps.append(Step("apply", (dtype, pack, cols, addend, span), ew_grid("apply"), ew_block,
                           what="y = (x - mean) * scale + shift" + own
                                + (" + addend" if addend else "")
                                + (", ReLU" if relu else "") + (", mask by ballot" if mask
@@ -433,7 +455,7 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
             steps.append(Step("grad_finalize", (compute,), _merge_grid(c, splits, device, tuning),
                               fin,
                               what="fixed-order merge; dweight, dbias, dx coefficients"))
-        steps.append(Step("dx", (dtype, pack, cols, span), ew_grid, ew_block,
+        steps.append(Step("dx", (dtype, pack, cols, span), ew_grid("dx"), ew_block,
                           what="dx" + (" and daddend" if addend else "")
                                + ("" if training else " (eval: x not read)")))
     if pack * ITEMSIZE[dtype] < 16:

@@ -83,6 +83,13 @@ class Tuning:
     # ... and columns statistics blocks: ptxas gives stats_cols 46-64 registers (every dtype
     # and pack) since the shifted sums lost their per-value count and branch (72 before): 4
     bn_cols_stats_blocks_per_sm: int = 4
+    # the narrowest statistics / gradient-sum tile (channel packs) the planner narrows to where
+    # the widest tiles leave the SMs short of blocks: 32 (no narrowing, the widest tile up to
+    # 32 packs). Tiles of 8-16 packs lost 1.5-7 points in fp16 NHWC training wherever chosen
+    # ((64, 2048, 7, 7) 39.6 -> 36.6%, (64, 1024, 14, 14) 53.0 -> 45.9, (64, 512, 28, 28)
+    # 65.0 -> 63.5, (16384, 1024) 56.6 -> 51.6; fp32 (64, 2048, 7, 7) 71.9 -> 67.8): the
+    # shared-memory fold over 32 rows and fewer rows a thread cost more than the extra blocks
+    bn_cols_min_tile_packs: int = 32
     # planes packs: the widest pack dividing B where it is at least this many bytes, else
     # (7x7) a 16-byte pack spanning two planes, where one reaches it: fp16 (64, 1024, 14, 14)
     # eval ran at 90.8% of copy speed in dividing 8-byte packs, 83.8% in spanning 16-byte
@@ -91,20 +98,25 @@ class Tuning:
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
     bn_apply_waves: int = 4
-    # columns elementwise grids where bn_apply_waves would leave a thread few packs for the
-    # PACK coefficients it loads: this many blocks an SM (whole waves at the 2, 3 or 4 resident
-    # blocks that the 45-80 registers ptxas gives apply / dx<*, *, true> allow), each thread
-    # looping over many packs so that its channels' coefficients (loaded once) serve them
-    # all: at 4 waves of 8 a thread did 1-2 packs, and eval NHWC fp16 with 512-2048 channels
-    # ran at 52-64% of copy speed (12 an SM: 70-80%)
-    bn_apply_blocks_per_sm_cols: int = 12
-    # ... the bn_apply_waves grid is kept where it gives a thread at least PACK / this packs:
-    # there 12 an SM cost 2-3 points (eval NHWC fp32 C = 64, 256: 96.2 -> 93.1, 95.9 -> 93.0,
-    # 3 packs a coefficient; fp16 C = 64: 93.7 -> 90.6, 1.5; fp32 (16384, 1024): 94.5 -> 92.6,
-    # 1), while it gained 15-33 points at 0.1-0.4 (fp16 C = 512-2048, (16384, 1024))
+    # columns elementwise grids (apply, dx) where the waves grid would give a thread fewer than
+    # PACK / bn_apply_cols_coefs_per_pack packs (many channels, small tensors): this many
+    # blocks an SM, one resident wave, each thread looping over many rows of its PACK channels
+    # with ~128 bytes in flight (bn::unroll_cols), so the coefficients it loads once serve them
+    # all (ptxas: apply / dx<16-bit, 8, true> 100-111 registers, 2 blocks of 256 resident).
+    # H100, eval fp16 NHWC: 55-80% of copy speed at 12 an SM and 32 bytes in flight, 86-96% at
+    # 2 an SM; but (64, 64, 112, 112) fell from 93% (waves grid) to 70% and fp32 C = 64-1024
+    # from 94-95% to 90-92% at 2 an SM, hence the waves grid where coefficients amortise
+    bn_apply_blocks_per_sm_cols: int = 2
     bn_apply_cols_coefs_per_pack: int = 2
     # channel-merge kernels: channels (warps) a block
     bn_finalize_channels: int = 8
+    # ... a block a channel instead (bn::Merger) where a channel has over 32 partial states and
+    # the warp grid is under 1/this of the SMs: C = 64, 256 (8, 32 blocks; 528 splits were 17
+    # dependent merges a lane) gained with the second round's block merges; C = 512-1024
+    # (64-128 blocks, 2-5 states a lane) ran 512-1024 blocks of 256 threads where the first
+    # round's warps did it, in that round's fp16 NHWC training losses (with the 8-16 pack
+    # tiles, bn_cols_min_tile_packs, the part isolated at (64, 2048, 7, 7)): first round's way
+    bn_block_merge_sm_fraction: int = 4
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.
