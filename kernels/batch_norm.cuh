@@ -341,7 +341,8 @@ __device__ __forceinline__ void tree_over_rows(S* sm, int per_row, int row, int 
 
 // ---------------------------------------------------------------------------------------------
 // Statistics, planes layout: block (channel c = blockIdx.x, split s = blockIdx.y) reads the
-// planes a in [A s / S, A (s + 1) / S) of its channel, W packs each, as one flat run of packs.
+// packs [A W s / S, A W (s + 1) / S) of its channel's flat run of A planes of W packs (a split
+// may start or end inside a plane: a few large planes still fill the GPU).
 // SPAN (B not a multiple of PACK, bn::plane_bits): W = plane_packs, the packs at a plane's ends
 // hold other channels' elements, skipped; else W = B / PACK, every pack whole, and the loop is
 // the plain one (no per-pack bit test, 32 bytes in flight a thread: bn::unroll_for).
@@ -353,8 +354,9 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   typedef typename Num<T>::compute C;
   constexpr int U = SPAN ? bn::unroll_reduce(PACK * sizeof(T)) : bn::unroll_for(PACK * sizeof(T));
   const int c = blockIdx.x, s = blockIdx.y;
-  const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
-  const unsigned L = static_cast<unsigned>((a1 - a0) * W);
+  // the split's packs [f0, f1) of the channel's A * W, as plane a0 and offsets in its run
+  const i64 f0 = A * W * s / S, f1 = A * W * (s + 1) / S, a0 = f0 / W;
+  const unsigned j_lo = static_cast<unsigned>(f0 - a0 * W), L = static_cast<unsigned>(f1 - a0 * W);
   const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
   const i64 plane_stride = static_cast<i64>(Cn) * B;
   const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
@@ -362,7 +364,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   bn::Shifted<C> acc{Num<T>::to(x[first]), C(0), C(0)};
   int n = 0;
   const unsigned nt = blockDim.x;
-  for (unsigned j0 = threadIdx.x; j0 < L; j0 += nt * U) {
+  for (unsigned j0 = j_lo + threadIdx.x; j0 < L; j0 += nt * U) {
     Pack<T, PACK> p[U];
     unsigned in[U];
 #pragma unroll
@@ -567,15 +569,16 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   typedef typename Num<T>::compute C;
   constexpr int U = SPAN ? bn::unroll_reduce(PACK * sizeof(T)) : bn::unroll_for(PACK * sizeof(T));
   const int c = blockIdx.x, s = blockIdx.y;
-  const i64 a0 = A * s / S, a1 = A * (s + 1) / S;
-  const unsigned L = static_cast<unsigned>((a1 - a0) * W);
+  // the split's packs [f0, f1) of the channel's A * W, as plane a0 and offsets in its run
+  const i64 f0 = A * W * s / S, f1 = A * W * (s + 1) / S, a0 = f0 / W;
+  const unsigned j_lo = static_cast<unsigned>(f0 - a0 * W), L = static_cast<unsigned>(f1 - a0 * W);
   const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
   const i64 plane_stride = static_cast<i64>(Cn) * B;
   const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
   const C m = mean[c];
   C sg = C(0), sgx = C(0);
   const unsigned nt = blockDim.x;
-  for (unsigned j0 = threadIdx.x; j0 < L; j0 += nt * U) {
+  for (unsigned j0 = j_lo + threadIdx.x; j0 < L; j0 += nt * U) {
     Pack<T, PACK> pd[U], px[U];
     unsigned bits[U];
 #pragma unroll

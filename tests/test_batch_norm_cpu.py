@@ -314,7 +314,9 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
         assert p.layout == (bp.COLUMNS if layout == "NHWC" or len(shape) == 2 else bp.PLANES)
         red = p.steps[0]
         assert red.kind.endswith("cols" if p.layout == bp.COLUMNS else "planes")
-        assert 1 <= p.splits <= min(t.bn_max_splits, a)
+        # columns split rows; planes split a channel's packs (inside a plane too)
+        units = a if p.layout == bp.COLUMNS else a * bp.plane_packs(b, p.pack)
+        assert 1 <= p.splits <= min(t.bn_max_splits, units)
         assert red.grid[1] == p.splits
         blocks = red.grid[0] * red.grid[1]
         resident = H100.sms * H100.model_occupancy(math.prod(red.block), red.smem)
@@ -323,8 +325,7 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
             p.pack * ITEMSIZE[dtype]) * t.bn_min_packs_per_thread)
         values = 2 if op == "batch_norm_backward" else 3
         cap = bp.partial_cap(p.view, dtype, values, t)
-        if p.layout == bp.PLANES and p.splits < min(t.bn_max_splits, a, max(1, per_split),
-                                                    cap):
+        if p.layout == bp.PLANES and p.splits < min(t.bn_max_splits, max(1, per_split), cap):
             assert blocks >= resident * t.bn_reduce_waves
         # partial states: at most 1/bn_partial_fraction of the bytes read (or one split)
         state = values * ITEMSIZE["float32"]
@@ -377,8 +378,10 @@ def test_splits_fill_the_gpu_and_respect_their_caps():
     assert p.splits == -(-target // 64)
     # many channels: one split a channel
     assert plan("batch_norm", (64, 2048, 7, 7), "float16").splits == 1
-    # splits never exceed the outer count
-    assert plan("batch_norm", (2, 4, 1000, 1000), "float32").splits == 2
+    # planes splits are ranges of a channel's packs, not whole planes: two large planes a
+    # channel still fill the GPU
+    few = plan("batch_norm", (2, 4, 1000, 1000), "float32")
+    assert few.splits > 2 and few.steps[0].grid[0] * few.splits >= H100.sms
     # tiny tensors: a split keeps work for its threads
     assert plan("batch_norm", (4, 8, 4, 4), "float32").splits == 1
     # columns: at most bn_max_splits, in whole waves of resident blocks
@@ -739,3 +742,13 @@ def test_columns_elementwise_grid_by_packs_a_thread(shape, dtype, waves):
         assert grid > H100.sms * 8
     else:
         assert grid <= H100.sms * t.bn_apply_blocks_per_sm_cols
+
+
+def test_few_large_planes_split_inside_planes():
+    # (2, 8, 2^27 + 3): two planes a channel; splits are ranges of a channel's packs, so the
+    # statistics still fill the GPU (and each thread sums far fewer values)
+    p = plan("batch_norm", (2, 8, 2**27 + 3), "float16")
+    assert p.layout == bp.PLANES and p.splits > 2
+    assert p.steps[0].grid[0] * p.splits >= H100.sms
+    q = plan("batch_norm_backward", (1, 64, 1024, 1024), "float32")
+    assert q.splits > 1

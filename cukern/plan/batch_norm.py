@@ -301,7 +301,12 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
                         else tuning.bn_cols_reduce_blocks_per_sm)
     resident = device.sms * occupancy
     target = resident * tuning.bn_reduce_waves
-    cap = min(tuning.bn_max_splits, max(1, a), partial_cap(view, dtype, state_values, tuning))
+    # columns splits are ranges of rows; planes splits ranges of a channel's packs (a split may
+    # begin or end inside a plane: (2, 8, 2^27) had 2 splits of 2^27 values a channel, 16
+    # blocks for 4 GB, and float32 sums of 2^19 values a thread, 1.4e-4 off in invstd)
+    units = a if cols else a * plane_packs(b, pack)
+    cap = min(tuning.bn_max_splits, max(1, units), partial_cap(view, dtype, state_values,
+                                                               tuning))
 
     def split(lanes: int, rows_a_pass: int) -> int:
         per_split_cap = max(1, rows_a_pass // (u * tuning.bn_min_packs_per_thread))
@@ -330,7 +335,7 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         bp = plane_packs(b, pack)
         lanes, block = c, (threads,)
         splits = split(lanes, (a * bp) // threads)
-        splits = max(splits, min(a, -(-(a * bp) // 2**30)))  # a split's packs in 32 bits
+        splits = max(splits, -(-(a * bp) // 2**30))  # a split's packs in 32 bits
     if not cols and splits == 1:  # small channels (7x7): blocks only as wide as their work
         need = max(1, (a * bp) // (u * tuning.bn_min_packs_per_thread))
         block = (min(threads, max(64, 1 << (need - 1).bit_length())),)
