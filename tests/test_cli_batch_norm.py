@@ -531,3 +531,26 @@ def test_gpu_eval_and_train(tmp_path, rng, dtype, shape, axis):
         assert rel_err(s["running_mean"], m_run) <= 1e-5, tag
         assert rel_err(s["running_var"], v_run) <= 1e-5, tag
 
+
+
+def test_explain_batch_norm_options():
+    # the channel axis defaults to 1 for batch norm; --layout, --eval, --relu reach the planner
+    out = _run_explain("explain", "batch-norm", "--shape", "64x256x56x56", "--dtype", "float16",
+                       "--device", "h100", "--layout", "NHWC", "--relu").stdout
+    assert "C=256 B=1" in out and "columns" in out and "(training)" in out
+    nchw = _run_explain("explain", "batch-norm", "--shape", "64x256x56x56", "--device", "h100",
+                        "--eval").stdout
+    assert "C=256 B=3136" in nchw and "(eval)" in nchw
+    bad = _run_explain("explain", "softmax", "--shape", "10x10", "--device", "h100", "--relu",
+                       code=2)
+    assert "batch norm's" in bad.stderr
+
+
+def _run_explain(*args, code=0):
+    from click.testing import CliRunner
+
+    from cukern.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == code, (result.exit_code, result.output)
+    return result

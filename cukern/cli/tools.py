@@ -43,13 +43,23 @@ __all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_c
 @click.argument("op", metavar="OP")
 @click.option("--shape", required=True, metavar="SHAPE", help="The array's shape, e.g. 49152x1000.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
-@click.option("--axis", type=int, default=-1, show_default=True)
+@click.option("--axis", type=int, default=None,
+              help="The reduced axis (row-wise ops; default -1) or the channel axis (batch "
+                   "norm; default 1).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|h100|a100|gpu:N",
               help="auto: the current GPU if one is visible, else the H100 preset.")
 @click.option("--weight", is_flag=True, help="The norm is given a weight.")
 @click.option("--bias", is_flag=True, help="The layer norm is given a bias.")
 @click.option("--residual", is_flag=True, help="The norm is given a residual.")
-def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual):
+@click.option("--eval", "eval_mode", is_flag=True,
+              help="Batch norm in eval mode (running statistics); default: training.")
+@click.option("--layout", type=click.Choice(["NCHW", "NHWC"], case_sensitive=False),
+              default="NCHW", show_default=True,
+              help="Batch norm: the memory order (NHWC: channels last).")
+@click.option("--relu", is_flag=True, help="Batch norm: fused ReLU (and its mask).")
+@click.option("--addend", is_flag=True, help="Batch norm: fused add before the ReLU.")
+def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual, eval_mode, layout,
+                relu, addend):
     """Show the kernel plan for OP on an array, without running anything.
 
     \b
@@ -58,6 +68,7 @@ def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual):
     \b
       cukern explain softmax --shape 49152x1000 --dtype float16
       cukern explain layer-norm --shape 2048x65536 --dtype float16 --weight --residual
+      cukern explain batch-norm --shape 64x256x56x56 --dtype float16 --layout NHWC --relu
     """
     from .._device import DeviceSpec
     from .._explain import explain
@@ -79,9 +90,15 @@ def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual):
         if spec == "cpu":
             raise InputError("--device cpu: explain plans GPU kernels; use auto, h100, a100 or "
                              "gpu:N")
+    kw = {}
+    if not registry.get(name).rowwise:
+        kw = dict(training=not eval_mode, layout=layout.upper(), relu=relu, addend=addend)
+    elif eval_mode or relu or addend or layout.upper() != "NCHW":
+        raise InputError(f"--eval, --layout, --relu and --addend are batch norm's; {op} is "
+                         f"row-wise")
     try:
         plan = explain(name, dims, dtype, axis=axis, device=spec, weight=weight, bias=bias,
-                       residual=residual)
+                       residual=residual, **kw)
     except (ValueError, TypeError) as err:
         raise InputError(str(err).removeprefix("explain: ")) from None
     click.echo(str(plan))
