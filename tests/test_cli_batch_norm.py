@@ -300,7 +300,7 @@ def test_train_large_offset_is_exact(tmp_path, rng):
 
 
 def test_chan_merge_is_exact():
-    from cukern.cli.ops import _chan_merge
+    from cukern.cli.batch_norm import _chan_merge
 
     rng = np.random.default_rng(0)
     data = rng.standard_normal((3, 101)) * 2 + 5

@@ -1,9 +1,10 @@
 """The ``cukern`` command line: cukern's ops on arrays in ``.npy``/``.npz`` files, and tools.
 
-The op commands (:mod:`cukern.cli.ops`: softmax, layer-norm, rms-norm, batch-norm) run on
-files of any size, in chunks; the tools (:mod:`cukern.cli.tools`: explain, info, bench, selftest,
-precompile) read the op list from :mod:`cukern.registry`. What they share, the error policy
-included, is in :mod:`cukern.cli.common`.
+The op commands (:mod:`cukern.cli.ops`: softmax, layer-norm, rms-norm; batch-norm in
+:mod:`cukern.cli.batch_norm`) run on files of any size, in chunks; the tools
+(:mod:`cukern.cli.tools`: explain, info, bench, selftest, precompile) read the op list from
+:mod:`cukern.registry`. What they share, the error policy included, is in
+:mod:`cukern.cli.common`.
 
 Errors are one line on stderr and exit status 2 (the files or arguments are wrong) or 1 (the
 machine cannot do it); ``--debug`` shows the traceback.
@@ -14,8 +15,9 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .batch_norm import batch_norm_cmd
 from .common import HELP
-from .ops import batch_norm_cmd, layer_norm_cmd, rms_norm_cmd, softmax_cmd
+from .ops import layer_norm_cmd, rms_norm_cmd, softmax_cmd
 from .tools import bench_cmd, explain_cmd, info_cmd, precompile_cmd, selftest_cmd
 
 __all__ = ["main", "app"]
