@@ -129,6 +129,15 @@ def _bn_input(rng, shape, dtype, layout):
     return x if layout != "channels_last" else np.moveaxis(x, -1, 1)
 
 
+def _bn_device(cp, a, layout):
+    """``a`` on the GPU in the same memory layout (``cupy.asarray`` of a channels-last NumPy
+    view would copy it to C order, and the mask's bit order follows memory)."""
+    if layout != "channels_last" or a.ndim < 3:
+        return cp.asarray(a)
+    last = cp.asarray(np.ascontiguousarray(np.moveaxis(a, 1, -1)))
+    return cp.moveaxis(last, -1, 1)
+
+
 def _batch_norm_checks(cp, dtypes, rng):
     """Training batch norm with addend and ReLU (y, statistics, mask) and its backward through
     the mask (dx, dweight, dbias, daddend), per layout, against the references."""
@@ -147,9 +156,10 @@ def _batch_norm_checks(cp, dtypes, rng):
                        shape="x".join(map(str, shape)), tol=TOL[dtype])
             try:
                 if op == "batch_norm":
-                    got = cukern.batch_norm(cp.asarray(x), None, None, cp.asarray(w),
-                                            cp.asarray(b), training=True, addend=cp.asarray(z),
-                                            relu=True, return_stats=True)
+                    got = cukern.batch_norm(_bn_device(cp, x, layout), None, None,
+                                            cp.asarray(w), cp.asarray(b), training=True,
+                                            addend=_bn_device(cp, z, layout), relu=True,
+                                            return_stats=True)
                     ratios = [rel_error(cp.asnumpy(got[0]), ref[0])]
                     ratios += [rel_error(cp.asnumpy(g), r) * TOL[dtype] / STAT_TOL[dtype]
                                for g, r in zip(got[1:3], ref[1:3])]
@@ -164,7 +174,8 @@ def _batch_norm_checks(cp, dtypes, rng):
                     want = reference.batch_norm_backward(dy, x, mean, invstd, w, mask=ref[3],
                                                          addend=True)
                     got = cukern.batch_norm_backward(
-                        *(cp.asarray(a) for a in (dy, x, mean, invstd, w)),
+                        _bn_device(cp, dy, layout), _bn_device(cp, x, layout),
+                        *(cp.asarray(a) for a in (mean, invstd, w)),
                         mask=cp.asarray(ref[3]), addend=True)
                     ratios = [rel_error(cp.asnumpy(g), r) for g, r in zip(got, want)]
                 row["error"] = max(ratios)
