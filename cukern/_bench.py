@@ -56,7 +56,8 @@ def time_gpu(fn: Callable[[int], object], n_sets: int, reps: int = 30, warmup: i
     """Median milliseconds of one ``fn(i)`` (i cycles over input sets) on the legacy default
     stream, where CuPy and PyTorch launch by default. Each sample is a batch of calls queued
     behind a spin kernel and bracketed by events, so what is timed is the GPU's work alone,
-    however long the host takes to launch it."""
+    however long the host takes to launch it. A sample whose launches took the host longer
+    than the spin lasted (the GPU may have waited for them) is dropped and the spin doubled."""
     import cupy as cp
 
     for i in range(warmup):
@@ -65,17 +66,24 @@ def time_gpu(fn: Callable[[int], object], n_sets: int, reps: int = 30, warmup: i
     t0 = time.perf_counter()
     for i in range(batch):
         fn(i % n_sets)
-    host_us = (time.perf_counter() - t0) * 1e6
+    spin_us = 2.0 * (time.perf_counter() - t0) * 1e6 + 100
     cp.cuda.Device().synchronize()
-    times = []
-    for r in range(max(3, reps // batch * 3)):
-        _spin(1.5 * host_us + 50)
+    times: list[float] = []
+    r = 0
+    while len(times) < max(3, reps // batch * 3):
+        _spin(spin_us)
         a, b = cp.cuda.Event(), cp.cuda.Event()
+        t0 = time.perf_counter()
         a.record()
         for i in range(batch):
             fn((r * batch + i) % n_sets)
         b.record()
+        host_us = (time.perf_counter() - t0) * 1e6
         b.synchronize()
+        r += 1
+        if host_us > 0.8 * spin_us and r < 20 * reps:  # the GPU may have idled between calls
+            spin_us *= 2
+            continue
         times.append(cp.cuda.get_elapsed_time(a, b) / batch)
     return statistics.median(times)
 

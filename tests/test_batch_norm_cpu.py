@@ -373,9 +373,13 @@ def test_pack_is_widest_for_16_byte_runs():
 def test_splits_fill_the_gpu_and_respect_their_caps():
     t = HOPPER
     # many planes per channel, few channels: splits = ceil(target / C)
-    p = plan("batch_norm", (256, 64, 56, 56), "float16")
+    p = plan("batch_norm", (256, 64, 112, 112), "float16")
     target = H100.sms * H100.model_occupancy(t.bn_reduce_threads, 0) * t.bn_reduce_waves
     assert p.splits == -(-target // 64)
+    # ... unless a split's threads would get fewer than bn_min_packs_per_thread unrolled packs
+    p = plan("batch_norm", (256, 64, 56, 56), "float16")
+    per_thread = bp.unroll_reduce(16) * t.bn_min_packs_per_thread
+    assert p.splits == 256 * 56 * 56 // 8 // t.bn_reduce_threads // per_thread < -(-target // 64)
     # many channels: one split a channel
     assert plan("batch_norm", (64, 2048, 7, 7), "float16").splits == 1
     # planes splits are ranges of a channel's packs, not whole planes: two large planes a
@@ -387,7 +391,8 @@ def test_splits_fill_the_gpu_and_respect_their_caps():
     # columns: at most bn_max_splits, in whole waves of resident blocks
     p = plan("batch_norm", (8, 64, 16, 56, 56), "float16", "NHWC")
     resident = H100.sms * t.bn_cols_stats_blocks_per_sm
-    assert p.splits == min(t.bn_max_splits, resident * t.bn_reduce_waves) // resident * resident
+    assert p.splits == (min(t.bn_max_splits, resident * t.bn_cols_stats_waves) // resident
+                        * resident)
     p = plan("batch_norm_backward", (8, 64, 16, 56, 56), "float16", "NHWC")
     resident_grad = H100.sms * t.bn_cols_reduce_blocks_per_sm
     assert p.splits == min(t.bn_max_splits, resident_grad * t.bn_reduce_waves)

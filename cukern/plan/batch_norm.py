@@ -300,7 +300,8 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         occupancy = min(occupancy, tuning.bn_cols_stats_blocks_per_sm if kind == "stats"
                         else tuning.bn_cols_reduce_blocks_per_sm)
     resident = device.sms * occupancy
-    target = resident * tuning.bn_reduce_waves
+    waves = tuning.bn_cols_stats_waves if cols and kind == "stats" else tuning.bn_reduce_waves
+    target = resident * waves
     # columns splits are ranges of rows; planes splits ranges of a channel's packs (a split may
     # begin or end inside a plane: (2, 8, 2^27) had 2 splits of 2^27 values a channel, 16
     # blocks for 4 GB, and float32 sums of 2^19 values a thread, 1.4e-4 off in invstd)
@@ -309,7 +310,8 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
                                                                tuning))
 
     def split(lanes: int, rows_a_pass: int) -> int:
-        per_split_cap = max(1, rows_a_pass // (u * tuning.bn_min_packs_per_thread))
+        min_packs = tuning.bn_cols_min_packs_per_thread if cols else tuning.bn_min_packs_per_thread
+        per_split_cap = max(1, rows_a_pass // (u * min_packs))
         n = min(-(-target // lanes), per_split_cap, cap)
         if cols and lanes * n > resident:  # whole waves: no tail wave of a few blocks
             n = max(1, (lanes * n // resident) * resident // lanes)
@@ -337,7 +339,7 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         splits = split(lanes, (a * bp) // threads)
         splits = max(splits, -(-(a * bp) // 2**30))  # a split's packs in 32 bits
     if not cols and splits == 1:  # small channels (7x7): blocks only as wide as their work
-        need = max(1, (a * bp) // (u * tuning.bn_min_packs_per_thread))
+        need = max(1, (a * bp) // (u * tuning.bn_block_min_packs_per_thread))
         block = (min(threads, max(64, 1 << (need - 1).bit_length())),)
     targs = (dtype, pack) if cols else (dtype, pack, spans(view, pack))
     step = Step(f"{kind}_{'cols' if cols else 'planes'}", targs, (lanes, splits), block, smem)

@@ -68,8 +68,19 @@ class Tuning:
     bn_reduce_threads: int = 256
     # statistics grids: this many waves of resident blocks, split over channels
     bn_reduce_waves: int = 2
-    # a split keeps at least this many packs a thread (x unroll), so short splits stay busy
-    bn_min_packs_per_thread: int = 2
+    # ... columns statistics: one wave. H100 fp16 NHWC (256, 512, 28, 28): 109.5 us at two
+    # waves (528 x 2 blocks), 92.4 us at one; other shapes equal
+    bn_cols_stats_waves: int = 1
+    # a planes split keeps at least this many packs a thread (x unroll), so short splits stay
+    # busy. H100 statistics pass at 2 -> 8: fp16 (64, 512, 28, 28) 30.7 -> 23.8 us (3 splits
+    # -> 1, no merge launch), bf16 (256, 1024, 14, 14) 52.6 -> 45.1, fp16 (64, 256, 56, 56)
+    # 50.3 -> 44.6, (64, 1024, 14, 14) 17.6 -> 15.9; none slower
+    bn_min_packs_per_thread: int = 8
+    # ... a columns split: 2 (at 8, fp16 NHWC (64, 2048, 7, 7) ran fewer blocks, 21.6 -> 21.7 us)
+    bn_cols_min_packs_per_thread: int = 2
+    # ... a one-split planes block narrows (down to 64 threads) to give each thread this many:
+    # H100 fp16 (64, 1024, 14, 14) statistics 15.9 us at 128 threads, 17.6 at 256
+    bn_block_min_packs_per_thread: int = 4
     # at most this many partial states a channel: the merge folds them, 32 a warp lane
     bn_max_splits: int = 1024
     # partial states written (and merged) are at most 1/this of the bytes the reduction reads:
