@@ -400,7 +400,7 @@ def test_splits_fill_the_gpu_and_respect_their_caps():
     p = plan("batch_norm", (64, 512, 28, 28), "float16", "NHWC")
     assert p.steps[0].block == (32, 8)
     assert p.steps[0].grid[0] * p.splits <= resident
-    assert p.splits == bp.partial_cap(p.view, "float16", 3, t)
+    assert p.splits == min(bp.partial_cap(p.view, "float16", 3, t), resident // p.steps[0].grid[0])
     assert plan("batch_norm", (10**6, 8), "float32").splits <= t.bn_max_splits
 
 
@@ -410,18 +410,19 @@ def test_columns_tiles_narrow_only_to_the_tuning_minimum():
     # 8-pack ones' more blocks were slower), 8-pack ones where the minimum allows
     p = plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC")
     assert t.bn_cols_min_tile_packs == 32
-    assert p.steps[0].block == (32, 8) and p.steps[0].grid == (8, 16)
+    assert p.steps[0].block == (32, 8) and p.steps[0].grid == (16, 16)  # 4-channel packs
     narrow = dataclasses.replace(t, bn_cols_min_tile_packs=8)
     with mock.patch.object(bp, "tuning_for", lambda device: narrow):
         q = bp.plan_batch_norm("batch_norm", p.view, "float16", H100)
-    assert q.steps[0].block == (8, 32) and q.steps[0].grid[0] == 2048 // 8 // 8
+    tx = q.steps[0].block[0]
+    assert tx < 32 and q.steps[0].grid[0] == 2048 // t.bn_cols_reduce_max_pack // tx
     assert q.steps[0].grid[0] * q.splits <= H100.sms * t.bn_cols_stats_blocks_per_sm
-    assert q.steps[0].grid[0] * q.splits > 8 * 16  # the 32-pack tiles' 128 blocks
+    assert q.steps[0].grid[0] * q.splits > 16 * 16  # the 32-pack tiles' 256 blocks
     # enough rows: the widest tiles
     p = plan("batch_norm", (256, 256, 56, 56), "float16", "NHWC")
     assert p.steps[0].block == (32, 8)
-    # few channels: one tile of all of them
-    assert plan("batch_norm", (64, 64, 112, 112), "float16", "NHWC").steps[0].block == (8, 32)
+    # few channels: one tile of all of them (64 channels in packs of 4)
+    assert plan("batch_norm", (64, 64, 112, 112), "float16", "NHWC").steps[0].block == (16, 16)
 
 
 def test_merge_is_a_block_a_channel_for_few_channels_and_many_splits():
@@ -485,7 +486,8 @@ def test_steps_per_op_and_mode():
     p = plan("batch_norm", (8, 16, 4, 4), "float16", addend=True, relu=True, mask=True)
     assert p.steps[-1].kernel == "cukern::batch_norm_apply<cukern::f16, 8, false, true, false>"
     p = plan("batch_norm_backward", (256, 16, 64, 64), "bfloat16", "NHWC")
-    assert p.steps[0].kernel == "cukern::batch_norm_grad_cols<cukern::bf16, 8>"
+    # columns reductions keep bn_cols_reduce_max_pack channels a thread; dx the data's pack
+    assert p.pack == 8 and p.steps[0].kernel == "cukern::batch_norm_grad_cols<cukern::bf16, 4>"
     assert p.steps[1].kernel == "cukern::batch_norm_grad_finalize<float>"
     assert p.steps[2].kernel == "cukern::batch_norm_dx<cukern::bf16, 8, true, false>"
     with pytest.raises(ValueError, match="unknown"):

@@ -283,7 +283,7 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
                 red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch),
                     *_plane_args(plan), np.int32(plan.splits), *finish)
             else:
-                red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch // plan.pack),
+                red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch // red.pack),
                     np.int32(plan.splits), *finish)
             if steps[1].kind == "grad_finalize":
                 steps[1](part, np.int32(plan.splits), np.int32(ch), mu, *finish)
@@ -354,10 +354,11 @@ def last_plan(op: str):
 class _Kernel:
     """One planned step, compiled, with its grid, block and dynamic shared memory."""
 
-    __slots__ = ("kind", "kernel", "grid", "block", "smem")
+    __slots__ = ("kind", "pack", "kernel", "grid", "block", "smem")
 
     def __init__(self, step: bnplan.Step, device_id: int):
         self.kind = step.kind
+        self.pack = step.targs[1] if len(step.targs) > 1 else 1  # elements a thread's access
         self.kernel = _compile.get_kernel(_SOURCE, step.kernel, device_id)
         self.grid = step.grid
         self.block = step.block
@@ -399,7 +400,7 @@ def _stats(step, xw, plan, view, finish):
         step(xw, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
              np.int32(plan.splits), *finish)
     else:
-        step(xw, _arg(part), np.int64(a_), np.int32(ch // plan.pack), np.int32(plan.splits),
+        step(xw, _arg(part), np.int64(a_), np.int32(ch // step.pack), np.int32(plan.splits),
              *finish)
     return part
 

@@ -423,8 +423,10 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     cols = view.layout == COLUMNS
     ew_block = (tuning.bn_apply_threads,)
     notes = []
+    # columns reductions keep at most bn_cols_reduce_max_pack channels' states a thread
+    rpack = min(pack, tuning.bn_cols_reduce_max_pack) if cols else pack
     if op in ("batch_stats",) or (op == "batch_norm" and training):
-        red, splits = _reduce_step("stats", dtype, view, pack, device, tuning, 3)
+        red, splits = _reduce_step("stats", dtype, view, rpack, device, tuning, 3)
         outs = ("mean, invstd, running stats, coefficients" if op == "batch_norm"
                 else "mean, var")
         if splits == 1:  # a block holds whole channels: it finishes them itself
@@ -452,7 +454,7 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
                                + (", ReLU" if relu else "") + (", mask by ballot" if mask
                                                                  else "")))
     if op == "batch_norm_backward":
-        red, splits = _reduce_step("grad", dtype, view, pack, device, tuning, 2)
+        red, splits = _reduce_step("grad", dtype, view, rpack, device, tuning, 2)
         what = "sum g, sum g (x - mean)" + (" (dy masked)" if mask else "")
         if splits == 1:  # a block holds whole channels: it finishes them itself
             steps.append(Step(red.kind, red.targs, red.grid, red.block, red.smem,

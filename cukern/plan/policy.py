@@ -101,6 +101,13 @@ class Tuning:
     # 65.0 -> 63.5, (16384, 1024) 56.6 -> 51.6; fp32 (64, 2048, 7, 7) 71.9 -> 67.8): the
     # shared-memory fold over 32 rows and fewer rows a thread cost more than the extra blocks
     bn_cols_min_tile_packs: int = 32
+    # channels a columns statistics / gradient-sum thread reduces (its pack, where the data's
+    # is wider): 8 fp16 channels' shifted sums took 64 registers (4 blocks an SM) and ran at
+    # 38-61% of read speed; 4 (8-byte loads) ran at 45-83%: H100 fp16 NHWC statistics
+    # (64, 512, 28, 28) 43.4 -> 31.5 us, (64, 64, 112, 112) 57.9 -> 49.5, (16384, 1024) 31.2 ->
+    # 25.0; training NHWC 52-77 -> 61-82% (x twice). The backward's gradient sums: (64, 2048,
+    # 7, 7) 76.6 -> 80.3%, (16384, 1024) 74.9 -> 78.1, but (64, 64, 112, 112) 81.2 -> 78.4
+    bn_cols_reduce_max_pack: int = 4
     # planes packs: the widest pack dividing B where it is at least this many bytes, else
     # (7x7) a 16-byte pack spanning two planes, where one reaches it: fp16 (64, 1024, 14, 14)
     # eval ran at 90.8% of copy speed in dividing 8-byte packs, 83.8% in spanning 16-byte
