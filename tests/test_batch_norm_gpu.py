@@ -830,3 +830,44 @@ def test_past_2_31_elements(rng):
             den += float(cp.sum(cp.square(ref), dtype=cp.float64))
             del g, xhat, ref
     assert math.sqrt(num / den) <= TOL["float16"], math.sqrt(num / den)
+
+
+def test_repeated_calls_take_the_fast_path(rng, monkeypatch):
+    """A CuPy call of a layout, switches and parameter dtypes seen before skips validation
+    and planning (ops.batch_norm._fresh) and gives the full path's bits; anything else (another
+    parameter dtype, out=, a bad momentum) takes the full path with its checks."""
+    from cukern.ops import batch_norm as obn
+
+    hits = []
+    fresh = obn._Forward.fresh
+    monkeypatch.setattr(obn._Forward, "fresh", lambda self, *a: hits.append(1) or fresh(self, *a))
+    shape = (8, 16, 6, 6)
+    x = cp.asarray(rng.standard_normal(shape), cp.float16)
+    z = cp.asarray(rng.standard_normal(shape), cp.float16)
+    w = cp.asarray(rng.uniform(0.5, 1.5, 16), cp.float32)
+    b = cp.asarray(rng.standard_normal(16), cp.float32)
+
+    def call(**kw):
+        rm, rv = cp.zeros(16, cp.float32), cp.ones(16, cp.float32)
+        res = cukern.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5, addend=z, relu=True,
+                                return_stats=True, **kw)
+        return [cp.asnumpy(a) for a in (*res, rm, rv)]
+
+    first = call()
+    assert not hits
+    second = call()
+    assert len(hits) == 1
+    out = cp.full(shape, np.nan, cp.float16)
+    third = call(out=out)  # out= takes the full path
+    assert len(hits) == 1
+    for u, v, t in zip(first, second, third):
+        assert u.tobytes() == v.tobytes() == t.tobytes()
+    # another weight dtype (float16 is allowed for float16 x): the full path, same result
+    y16 = cukern.batch_norm(x, None, None, w.astype(cp.float16), b, True, addend=z, relu=True)
+    assert len(hits) == 1
+    np.testing.assert_allclose(cp.asnumpy(y16).astype(np.float32), first[0].astype(np.float32),
+                               rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="momentum"):
+        cukern.batch_norm(x, cp.zeros(16, cp.float32), cp.ones(16, cp.float32), w, b, True,
+                          1.5, addend=z, relu=True, return_stats=True)
+    assert len(hits) == 1

@@ -18,6 +18,11 @@ __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "last_plan"]
 _NULL = np.uint64(0)  # a null pointer argument
 _SOURCE = "batch_norm"
 _launches: dict[tuple, _Launches] = {}
+# The fast path: a CuPy call whose arrays' layouts and scalars' types the full path validated
+# and planned before (_fresh_key) -> its launches.
+_fresh: dict[tuple, _Forward] = {}
+_ndarray = c.cp.ndarray if c.cp is not None else None
+_get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 _last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
 
 
@@ -91,7 +96,15 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     TypeError
         Host (NumPy) or integer arrays, parameters of another dtype.
     """
+    if out is None and type(x) is _ndarray:
+        key = _fresh_key(x, running_mean, running_var, weight, bias, addend, axis, training,
+                         relu, return_stats, momentum, eps)
+        fwd = _fresh.get(key) if key is not None else None
+        if fwd is not None and fwd.device == _get_device():
+            return fwd.fresh(x, running_mean, running_var, weight, bias, addend, momentum, eps,
+                             return_stats)
     fn = "batch_norm"
+    raw_axis = axis
     ax = c.adapt(fn, "x", x)
     xa = ax.array
     dtype = c.dtype_name(fn, "x", xa)
@@ -154,22 +167,20 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
             w_k, _ = _compute_copy(w, cdt)
             b_k, _ = _compute_copy(b, cdt)
             arrays = [xw, zw, y]
-            plan, steps = _get_plan("batch_norm", dtype, dev, view, arrays, copied,
-                                    training=training, relu=relu, addend=zw is not None,
-                                    mask=want_mask, return_stats=return_stats and not training)
-            a_, ch, inner = view
-            coef = None
-            if len(steps) > 1:  # training, or eval with mean and invstd asked for
-                coef = c.cp.empty((nch, 4), cdt)
-                finish = (cdt(a_ * inner), np.int32(training), _arg(rm_k), _arg(rv_k),
-                          _arg(w_k), _arg(b_k), cdt(momentum), cdt(eps), _arg(mean),
-                          _arg(invstd), _NULL, coef)
-                part = _stats(steps[0], xw, plan, view, finish) if training else None
-                if steps[-2].kind == "finalize":
-                    steps[-2](_arg(part), np.int32(plan.splits), np.int32(ch), *finish)
-            _elementwise(steps[-1], plan, view, xw, _arg(zw), _arg(coef), y, _arg(mask),
-                         np.int32(relu), _arg(rm_k), _arg(rv_k), _arg(w_k), _arg(b_k),
-                         cdt(eps))
+            plan, steps, hit = _get_plan("batch_norm", dtype, dev, view, arrays, copied,
+                                         training=training, relu=relu, addend=zw is not None,
+                                         mask=want_mask,
+                                         return_stats=return_stats and not training)
+            if hit.fwd is None:
+                hit.fwd = _Forward(plan, steps, dev, relu, want_mask)
+            hit.fwd(xw, zw, y, mask, mean, invstd, rm_k, rv_k, w_k, b_k, momentum, eps)
+            if (o is None and not copied and not (rm_back or rv_back) and w_k is w
+                    and b_k is b and all(a is None or type(a) is _ndarray for a in
+                                         (x, running_mean, running_var, weight, bias, addend))):
+                key = _fresh_key(x, running_mean, running_var, weight, bias, addend, raw_axis,
+                                 training, relu, return_stats, momentum, eps)
+                if key is not None:
+                    _fresh[key] = hit.fwd
             if training:
                 if rm_back:
                     rm[...] = rm_k
@@ -272,7 +283,7 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
         else:
             w_k, _ = _compute_copy(w, sdt)
             arrays = [xw, dyw, dx, da]
-            plan, steps = _get_plan("batch_norm_backward", dtype, dev, view, arrays, copied,
+            plan, steps, _ = _get_plan("batch_norm_backward", dtype, dev, view, arrays, copied,
                                     training=training, addend=addend, mask=m is not None)
             a_, ch, inner = view
             part = c.cp.empty((ch, plan.splits, 2), sdt) if plan.splits > 1 else None
@@ -332,7 +343,7 @@ def batch_stats(x, *, axis: int = 1):
         var = c.cp.empty((nch,), sdt)
         if xa.size:
             xw, view, copied = _working(xa, axis)
-            plan, steps = _get_plan("batch_stats", dtype, dev, view, [xw], copied)
+            plan, steps, _ = _get_plan("batch_stats", dtype, dev, view, [xw], copied)
             a_, ch, inner = view
             finish = (sdt(a_ * inner), np.int32(1), _NULL, _NULL, _NULL, _NULL, sdt(0), sdt(1),
                       mean, _NULL, var, _NULL)
@@ -369,11 +380,97 @@ class _Kernel:
 
 
 class _Launches:
-    __slots__ = ("plan", "steps")
+    __slots__ = ("plan", "steps", "fwd")
 
     def __init__(self, plan, steps):
         self.plan = plan
         self.steps = steps
+        self.fwd: _Forward | None = None  # batch_norm's launches with their fixed arguments
+
+
+class _Forward:
+    """batch_norm's launches for one layout and set of switches, with the arguments that do
+    not change from call to call converted once; what both the full path and the fast path
+    (a CuPy call of a layout seen before) run."""
+
+    __slots__ = ("plan", "device", "cdt", "nch", "words", "want_mask", "stats", "finalize", "apply",
+                 "coef", "part_shape", "count", "training", "stats_tail", "fin_head",
+                 "apply_tail")
+
+    def __init__(self, plan, steps, device_id: int, relu: bool, want_mask: bool):
+        a_, ch, inner = plan.view
+        cdt = _stat_dtype(plan.dtype)
+        self.plan, self.device, self.cdt, self.nch = plan, device_id, cdt, ch
+        self.words, self.want_mask = -(-(a_ * ch * inner) // 32), want_mask
+        self.stats = steps[0] if plan.training else None
+        self.finalize = steps[-2] if len(steps) > 1 and steps[-2].kind == "finalize" else None
+        self.apply = steps[-1]
+        self.coef = len(steps) > 1  # training, or eval with mean and invstd asked for
+        self.part_shape = (ch, plan.splits, 3) if plan.splits > 1 else None
+        cs = c._c_scalars
+        self.count, self.training = cs((cdt(a_ * inner), np.int32(plan.training)))
+        if self.stats is None:
+            self.stats_tail = ()
+        elif plan.layout == bnplan.PLANES:
+            self.stats_tail = cs((np.int64(a_), np.int32(ch), *_plane_args(plan),
+                                  np.int32(plan.splits)))
+        else:
+            self.stats_tail = cs((np.int64(a_), np.int32(ch // self.stats.pack),
+                                  np.int32(plan.splits)))
+        self.fin_head = cs((np.int32(plan.splits), np.int32(ch)))
+        self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
+
+    def __call__(self, x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps) -> None:
+        cdt = self.cdt
+        coef = None
+        if self.coef:
+            coef = c.cp.empty((self.nch, 4), cdt)
+            finish = (self.count, self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
+                      cdt(momentum), cdt(eps), _arg(mean), _arg(invstd), _NULL, coef)
+            part = None
+            if self.stats is not None:
+                if self.part_shape is not None:
+                    part = c.cp.empty(self.part_shape, cdt)
+                self.stats(x, _arg(part), *self.stats_tail, *finish)
+            if self.finalize is not None:
+                self.finalize(_arg(part), *self.fin_head, *finish)
+        self.apply(x, _arg(z), _arg(coef), y, _arg(mask), *self.apply_tail, _arg(rm), _arg(rv),
+                   _arg(w), _arg(b), cdt(eps))
+
+    def fresh(self, x, rm, rv, w, b, z, momentum, eps, return_stats: bool):
+        """The fast path: new outputs for a validated layout, then the launches."""
+        y = _empty_like(x)
+        mask = c.cp.empty((self.words,), np.int32) if self.want_mask else None
+        mean = invstd = None
+        if return_stats:
+            mean = c.cp.empty((self.nch,), self.cdt)
+            invstd = c.cp.empty((self.nch,), self.cdt)
+        self(x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps)
+        _last["batch_norm"] = self.plan
+        return (y, mean, invstd, mask) if return_stats else y
+
+
+def _param_key(a):
+    return None if a is None else (type(a) is _ndarray, a.dtype, a.shape, a.strides,
+                                   a.data.device_id)
+
+
+def _fresh_key(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps):
+    """The fast path's key of a call (None where its scalars need the full checks): what the
+    full path validated and planned for, every array's dtype, shape, strides and device, x's
+    and the addend's alignment."""
+    if not (type(axis) is int and type(training) is bool and type(relu) is bool
+            and type(return_stats) is bool and type(momentum) is float
+            and type(eps) is float and 0.0 <= momentum <= 1.0 and 0.0 < eps < math.inf):
+        return None
+    zk = None
+    if z is not None:
+        if type(z) is not _ndarray:
+            return None
+        zk = (z.dtype, z.shape, z.strides, z.data.ptr & 15, z.data.device_id)
+    return (x.dtype, x.shape, x.strides, x.data.ptr & 15, x.data.device_id, axis, training,
+            relu, return_stats, _param_key(rm), _param_key(rv), _param_key(w), _param_key(b),
+            zk)
 
 
 def _get_plan(op, dtype, dev, view, arrays, copied, **switches):
@@ -386,7 +483,7 @@ def _get_plan(op, dtype, dev, view, arrays, copied, **switches):
         plan = bnplan.plan_batch_norm(op, view, dtype, c.device_spec(dev), align_elems=align,
                                       copied=copied, signature=spec.signature, **switches)
         hit = _launches[key] = _Launches(plan, [_Kernel(s, dev) for s in plan.steps])
-    return hit.plan, hit.steps
+    return hit.plan, hit.steps, hit
 
 
 def _stats(step, xw, plan, view, finish):
