@@ -12,6 +12,7 @@ from ._device import DeviceSpec
 from ._explain import explain
 from .ops.batch_norm import batch_norm, batch_norm_backward, batch_stats
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from .ops.permute import permute, to_nchw, to_nhwc
 from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward
 from .plan import Plan, Switches, Variant
 
@@ -30,9 +31,12 @@ __all__ = [
     "layer_norm_backward",
     "log_softmax",
     "log_softmax_backward",
+    "permute",
     "rms_norm",
     "rms_norm_backward",
     "softmax",
     "softmax_backward",
+    "to_nchw",
+    "to_nhwc",
     "__version__",
 ]

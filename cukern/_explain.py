@@ -10,7 +10,7 @@ from . import plan as _plan
 from . import registry
 from ._device import DeviceSpec
 
-__all__ = ["explain", "dtype_name"]
+__all__ = ["explain", "dtype_name", "permute_dtype"]
 
 _DTYPE_ALIASES = {"float16": "float16", "half": "float16", "f2": "float16",
                   "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -35,8 +35,13 @@ def dtype_name(dtype) -> str:
 def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
             weight: bool = False, bias: bool = False, residual: bool = False,
             training: bool = True, layout: str = "NCHW", relu: bool = False,
-            addend: bool = False):
+            addend: bool = False, axes=None):
     """The plan ``op`` would run for a C-contiguous array of ``shape`` and ``dtype``.
+
+    ``permute`` takes ``axes`` (a permutation of the axes, NumPy's rules: None reverses them)
+    and any dtype of 1, 2, 4, 8 or 16 bytes; it returns a
+    :class:`cukern.plan.permute.PermutePlan` (the simplified permutation, the kernel, its tile
+    and vector widths, grid, block and index width).
 
     ``axis``: the reduced axis of a row-wise op (default -1), the channel axis of the batch-norm
     family (default 1). Batch norm (``batch_norm``, ``batch_norm_backward``, ``batch_stats``)
@@ -53,6 +58,16 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
     """
     if op not in registry.OPS:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(registry.OPS)}")
+    if registry.OPS[op].family == "permute":
+        given = {"axis": axis is not None, "weight": weight, "bias": bias,
+                 "residual": residual, "relu": relu, "addend": addend,
+                 "training": training is not True, "layout": layout != "NCHW"}
+        wrong = [name for name, on in given.items() if on]
+        if wrong:
+            raise ValueError(f"explain: permute takes axes, not {', '.join(wrong)}")
+        return _explain_permute(shape, dtype, axes, device)
+    if axes is not None:
+        raise ValueError(f"explain: axes is permute's; {op} takes axis")
     if not registry.OPS[op].rowwise:
         if residual:
             raise ValueError(f"explain: {op} takes no residual (pass addend=True)")
@@ -107,6 +122,47 @@ def _explain_batch_norm(op: str, shape, dtype, axis, device, *, training, layout
     return bnplan.plan_batch_norm(op, view, name, spec, training=bool(training),
                                   relu=bool(relu) and op == "batch_norm", addend=bool(addend),
                                   mask=bool(mask), signature=registry.OPS[op].signature)
+
+
+def permute_dtype(dtype) -> np.dtype:
+    """A dtype the permute kernels move (any of 1, 2, 4, 8 or 16 bytes; "bfloat16" needs
+    ml_dtypes), given as a name, NumPy/CuPy dtype or type."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        try:
+            from ml_dtypes import bfloat16
+        except ImportError:  # pragma: no cover
+            raise TypeError("explain: bfloat16 needs the ml_dtypes package") from None
+        return np.dtype(bfloat16)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"explain: dtype {dtype!r} is not a dtype") from None
+    from .plan.permute import check_dtype
+
+    return check_dtype("explain", "dtype", dt)
+
+
+def _explain_permute(shape, dtype, axes, device):
+    from .plan import permute as pp
+
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0
+           for n in shape):
+        raise ValueError(f"explain: shape must be non-negative ints, got {shape}")
+    if len(shape) > pp.MAX_DIMS:
+        raise ValueError(f"explain: shape {shape} has {len(shape)} dimensions; permute takes "
+                         f"at most {pp.MAX_DIMS}")
+    dt = permute_dtype(dtype)
+    axes = pp.normalize_axes(axes, len(shape), "explain")
+    if math.prod(shape) == 0:
+        raise ValueError(f"explain: shape {shape} is empty; no kernel runs for it")
+    spec, _ = _resolve(device)
+    _, dims = pp.output_dims(shape, pp.c_strides(shape), axes)
+    simple = pp.simplify([d.size for d in dims], [d.in_stride for d in dims],
+                         [d.out_stride for d in dims])
+    return pp.plan_permute(simple, dt.itemsize, spec,
+                           signature=registry.OPS["permute"].signature,
+                           label=f"{dt.name} {shape} axes {axes}")
 
 
 def _switches(op: str, flags: dict[str, bool]) -> _plan.Switches:

@@ -1,14 +1,14 @@
 """Float64 NumPy references for every cukern op: what the tests compare against and what the
 CLI runs with ``--device cpu``. Inputs of any float dtype (bfloat16 included) are upcast to
-float64; results are float64."""
+float64; results are float64. Permute moves bits: its reference keeps x's dtype."""
 
 from __future__ import annotations
 
 import numpy as np
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "layer_norm", "layer_norm_backward",
-           "log_softmax", "log_softmax_backward", "pack_mask", "rms_norm", "rms_norm_backward",
-           "softmax", "softmax_backward", "unpack_mask"]
+           "log_softmax", "log_softmax_backward", "pack_mask", "permute", "rms_norm",
+           "rms_norm_backward", "softmax", "softmax_backward", "unpack_mask"]
 
 
 def _f64(a) -> np.ndarray:
@@ -324,3 +324,12 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     da = np.empty_like(v)
     da[...] = g
     return dx, dweight, dbias, da
+
+
+# ---------------------------------------------------------------------------------------------
+# Permute: data movement, exact in every dtype.
+
+def permute(x, axes=None) -> np.ndarray:
+    """``numpy.transpose(x, axes)`` materialised as a C-contiguous array of x's dtype (the op
+    moves bits: NaN payloads and -0.0 survive)."""
+    return np.transpose(np.asarray(x), axes).copy(order="C")

@@ -2,7 +2,8 @@
 and ``precompile`` read. An op's row names its family, its policy (planning), its public
 function, its float64 reference and the row-sized arrays it moves. Row-wise ops (softmax, the
 norms) are planned by ``plan.rowwise`` from their policy; other families (batch norm) have no
-policy and declare the kernel instantiations they can reach themselves (``OpSpec.kernels``)."""
+policy and declare the kernel instantiations they can reach themselves (``OpSpec.kernels``):
+batch norm, and permute (its kernels move words by size, the same for every dtype)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import reference
-from .families import batch_norm, norm, softmax
+from .families import batch_norm, norm, permute, softmax
 from .plan import ITEMSIZE, OpPolicy, reachable_plans
 
 __all__ = ["OpSpec", "OPS", "get", "names", "policy", "kernel_names"]
@@ -19,7 +20,7 @@ __all__ = ["OpSpec", "OPS", "get", "names", "policy", "kernel_names"]
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    family: str  # "softmax" | "norm" | "batch_norm"
+    family: str  # "softmax" | "norm" | "batch_norm" | "permute"
     policy: OpPolicy | None  # row-wise planning (None: the family plans itself)
     reference: Callable | None  # the float64 NumPy reference, same arguments as the op
     inputs: tuple[str, ...]  # full-size array arguments, in order
@@ -88,6 +89,10 @@ OPS: dict[str, OpSpec] = {o.name: o for o in (
     _bn("batch_norm", ("x",), (2, 1)),
     _bn("batch_norm_backward", ("dy", "x"), (4, 1), "batch_norm"),
     _bn("batch_stats", ("x",), (1, 0)),
+    # reference: numpy.transpose materialised (bit-exact, x's dtype)
+    OpSpec("permute", "permute", None, reference.permute, ("x",), (1, 1),
+           kernels=permute.kernel_names("permute"), kernel_source=permute.SOURCE,
+           signature=permute.name_expression),
 )}
 
 

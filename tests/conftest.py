@@ -261,7 +261,9 @@ _nvrtc_jobs: dict[tuple[str, str], list] = {}  # (family, arch) -> [(source, dty
 
 def nvrtc_programs(family: str, arch: str) -> list[tuple[str, str, list[str]]]:
     """(source, dtype, names) for every NVRTC program of ``family``'s compile check on
-    ``arch``: each source's names of a dtype (all of the family's ops) in near-equal parts."""
+    ``arch``: each source's names of a dtype (all of the family's ops) in near-equal parts,
+    each name once (permute's kernels are the same for every dtype: they come with the
+    first)."""
     from cukern import registry
     from cukern._device import DeviceSpec
 
@@ -269,9 +271,11 @@ def nvrtc_programs(family: str, arch: str) -> list[tuple[str, str, list[str]]]:
     ops = [name for name, op in registry.OPS.items() if op.family == family]
     assert ops, f"no ops in family {family!r}"
     programs = []
+    seen: dict[str, set[str]] = {}  # a name reached by several dtypes compiles once
     for dt in DTYPES:
         for source, names in sorted(registry.kernel_names(ops, [dt], device).items()):
-            names = sorted(names)
+            names = sorted(set(names) - seen.setdefault(source, set()))
+            seen[source].update(names)
             parts = -(-len(names) // NVRTC_CHUNK)
             programs += [(source, dt, names[i::parts]) for i in range(parts)]
     return programs

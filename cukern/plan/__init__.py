@@ -4,7 +4,8 @@
 - ``common``: the plan record, switches, occupancy and device arithmetic;
 - ``policy``: tuning tables per architecture, and the per-op policy families declare;
 - ``rowwise``: the row-wise cascade (warp, block, cluster, uncached) of softmax and the norms;
-- ``col_sums``: backward kernels that also sum over rows, and their auxiliary launches.
+- ``col_sums``: backward kernels that also sum over rows, and their auxiliary launches;
+- ``batch_norm``, ``permute``: the families that plan themselves (``PermutePlan``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .common import (
     replace,
     warp_shape,
 )
+from .permute import PermutePlan, plan_permute, simplify
 from .policy import AMPERE, HOPPER, OpPolicy, Tuning, tuning_for
 from .rowwise import plan_rowwise, reachable_plans
 
@@ -32,7 +34,8 @@ from .rowwise import plan_rowwise, reachable_plans
 CLUSTER_SIZES = HOPPER.cluster_sizes
 
 __all__ = ["AMPERE", "CLUSTER_SIZES", "CPP_TYPES", "HOPPER", "ITEMSIZE", "Occupancy", "OpPolicy",
-           "ParamGradPlan", "Plan", "Switches", "Tuning", "Variant", "block_threads_for",
-           "col_sums_ways", "max_dynamic_smem", "model_occupancy", "num_blocks", "pack_size",
-           "param_reduce_shape", "plan_param_grad", "plan_rowwise", "reachable_plans",
-           "replace", "tuning_for", "warp_shape"]
+           "ParamGradPlan", "PermutePlan", "Plan", "Switches", "Tuning", "Variant",
+           "block_threads_for", "col_sums_ways", "max_dynamic_smem", "model_occupancy",
+           "num_blocks", "pack_size",
+           "param_reduce_shape", "plan_param_grad", "plan_permute", "plan_rowwise",
+           "reachable_plans", "replace", "simplify", "tuning_for", "warp_shape"]

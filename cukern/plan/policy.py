@@ -135,6 +135,33 @@ class Tuning:
     # round's warps did it, in that round's fp16 NHWC training losses (with the 8-16 pack
     # tiles, bn_cols_min_tile_packs, the part isolated at (64, 2048, 7, 7)): first round's way
     bn_block_merge_sm_fraction: int = 4
+    # permute (cukern/plan/permute.py); H100 sweeps one change at a time (% of copy), the
+    # rest first choices (docs/notes/permute.md)
+    # threads a block of either permute kernel (at most kernels/permute.cuh: perm::kThreads):
+    # 128 lost 3-13 points on fp16 tiles, gained 6 on int8 (4096, 4096): 256
+    perm_threads: int = 256
+    # tile kernel: (element bytes, ti, to) default tile extents, 8-16 KB, rows of at least
+    # 64 bytes. int8 128 x 128 -> 128 x 64: (64, 512, 28, 28) NCHW->NHWC 74.0 -> 78, (4096,
+    # 4096) 81.6 -> 83; fp16 128 x 64 -> 64 x 64: (1024, 1024) 77.9 -> 79.2, (64, 256, 56, 56)
+    # 95.3 -> 96.4, (64, 512, 28, 28) 89.9 -> 91.3; 128 x 128 lost 3-17 points
+    perm_tiles: tuple[tuple[int, int, int], ...] = (
+        (1, 128, 64), (2, 64, 64), (4, 64, 64), (8, 64, 32), (16, 32, 32))
+    # bytes a tile aims at where one extent is short or held whole (the other grows up to
+    # this): 16384 -> 8192: fp16 (64, 3, 224, 224) NCHW->NHWC 74.9 -> 78.0, its inverse 87.0
+    # -> 91.5, (64, 2048, 7, 7) 83.9 -> 86.2, (3, 8388608) 81.8 -> 84.5; 32768 lost 2-13
+    perm_tile_bytes: int = 8192
+    # most shared memory a tile (a flat short dim held whole beside the other)
+    perm_tile_max_bytes: int = 32768
+    # longest tile extent along one dim (elements)
+    perm_tile_max_extent: int = 4096
+    # a tile under this many bytes runs the general kernel instead (2 x 2 transposes)
+    perm_tile_min_bytes: int = 512
+    # a short dim (at most this many bytes) whose tile rows join into one run of memory is
+    # held whole and moved as that flat run (HW = 49, 196; C = 3): at least 16 rows beside it
+    perm_flat_max_bytes: int = 2048
+    # waves of resident blocks a grid at most (both kernels loop over their tiles; up to
+    # there a block takes one tile and the block scheduler balances them)
+    perm_waves: int = 32
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.

@@ -1,0 +1,564 @@
+"""Planning the permute family (``kernels/permute.cuh``): pure functions from an array's shape,
+its strides on both sides, element size, pointer alignment and device to a printable
+:class:`PermutePlan`. Nothing here touches a GPU.
+
+1. :func:`simplify`: the op as dims of (size, input stride, output stride) in elements, in the
+   output's memory order (outermost first). Size-1 dims are dropped, dims the output walks
+   backwards are flipped (both strides negated, the first element moved), and adjacent dims
+   that stay adjacent and in order on both sides merge. NCHW -> NHWC of a contiguous array is
+   (N, HW, C) with input strides (C*HW, 1, HW); an identity permutation is one dim, a copy.
+2. :func:`plan_permute`: an innermost dim contiguous on both sides and of at most 16 bytes is
+   folded into the element (a wider word: (N, C, HW, 2) float16 pairs move as 4-byte
+   elements), then one kernel:
+
+   - ``copy``: the innermost dim is contiguous on both sides: ``permute_rows`` over it in
+     vector words (16 bytes where the pointers, strides and length allow);
+   - ``tile``: the innermost output dim o has output stride 1 and another dim i input stride
+     1: ``permute_tile``, a batched transpose of (i, o) through shared memory, wide words on
+     both sides; a short dim whose tile rows join into one run of memory (C = 3, HW = 49) is
+     held whole and moved as that flat run (:func:`tile_shape`);
+   - ``general``: anything else: ``permute_rows`` over the innermost output dim, an element
+     a word.
+
+Indices are 32-bit where every offset and count fits (:func:`index_bits`), else 64-bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from .._device import DeviceSpec
+from .policy import Tuning, tuning_for
+
+__all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "check_dtype",
+           "normalize_axes",
+           "c_strides", "output_dims", "simplify", "fold_inner", "merge", "vector_width",
+           "tile_shape", "index_bits", "fast_div", "plan_permute", "reachable_steps",
+           "rows_unroll", "TILE_UNROLL"]
+
+MAX_DIMS = 8  # kernels/permute.cuh: perm::kMaxDims; the API's rank limit
+WORDS = (1, 2, 4, 8, 16)  # bytes a kernel word or element moves
+KINDS = ("copy", "tile", "general")
+TILE_UNROLL = 4  # kernels/permute.cuh: perm::kTileUnroll
+MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
+# 32-bit kernels: offsets and counts stay below this (a tile or row tile may overhang its dim)
+INDEX_LIMIT = 2**31 - 2**20
+MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
+
+
+class Dim(NamedTuple):
+    """One dim of a permutation: its size and strides (elements) in the input and output."""
+
+    size: int
+    in_stride: int
+    out_stride: int
+
+
+class Simplified(NamedTuple):
+    """A permutation as merged dims in the output's memory order (outermost first), and the
+    offsets (elements) of the first element visited from each array's pointer (non-zero where
+    a dim was flipped)."""
+
+    dims: tuple[Dim, ...]
+    in_offset: int = 0
+    out_offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(d.size for d in self.dims)
+
+
+def normalize_axes(axes, ndim: int, fn: str = "permute") -> tuple[int, ...]:
+    """``axes`` as a permutation of ``range(ndim)`` by NumPy's rules (None: reversed; negative
+    axes count from the end). TypeError for axes that are not a sequence of ints, ValueError
+    for a wrong length, an axis out of range or a repeated axis."""
+    if axes is None:
+        return tuple(range(ndim - 1, -1, -1))
+    if isinstance(axes, (str, bytes)) or not hasattr(axes, "__len__"):
+        raise TypeError(f"{fn}: axes must be a sequence of ints (a permutation of "
+                        f"range({ndim})) or None, got {type(axes).__name__} {axes!r}")
+    items = list(axes)
+    for a in items:
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+            raise TypeError(f"{fn}: axes must be ints, got {type(a).__name__} {a!r} in "
+                            f"axes={tuple(items)!r}")
+    if len(items) != ndim:
+        raise ValueError(f"{fn}: axes {tuple(items)} has {len(items)} entries, expected {ndim} "
+                         f"(a permutation of the {ndim} axes of x)")
+    out = []
+    for a in items:
+        a = int(a)
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{fn}: axis {a} in axes {tuple(items)} is out of range for an "
+                             f"array of {ndim} dimensions")
+        out.append(a % ndim)
+    if len(set(out)) != ndim:
+        dup = next(a for a in out if out.count(a) > 1)
+        raise ValueError(f"{fn}: axes {tuple(items)} repeats axis {dup}; expected a "
+                         f"permutation of range({ndim})")
+    return tuple(out)
+
+
+def check_dtype(fn: str, arg: str, dtype) -> np.dtype:
+    """``dtype`` if the kernels move it (elements of 1, 2, 4, 8 or 16 bytes of plain data:
+    bool, integers, floats, bfloat16, complex, datetimes), else TypeError naming ``arg``."""
+    dt = np.dtype(dtype)
+    if dt.kind in "OSU" or dt.fields is not None or dt.subdtype is not None \
+            or dt.itemsize not in WORDS:
+        raise TypeError(f"{fn}: {arg} has dtype {dt} ({dt.itemsize}-byte elements); expected a "
+                        f"dtype of 1, 2, 4, 8 or 16 bytes (bool, integers, floats, complex)")
+    return dt
+
+
+def c_strides(shape) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def output_dims(shape, in_strides, axes, out_strides=None) -> tuple[tuple[int, ...],
+                                                                    tuple[Dim, ...]]:
+    """(the output's shape, its dims in output order) of ``transpose(x, axes)`` for x of
+    ``shape`` and ``in_strides`` (elements), written with ``out_strides`` (default C order)."""
+    out_shape = tuple(int(shape[a]) for a in axes)
+    outs = c_strides(out_shape) if out_strides is None else tuple(int(s) for s in out_strides)
+    dims = tuple(Dim(int(shape[a]), int(in_strides[a]), s) for a, s in zip(axes, outs))
+    return out_shape, dims
+
+
+def merge(dims) -> tuple[Dim, ...]:
+    """Merge adjacent dims (outermost first) that stay adjacent and in order on both sides:
+    dim j and j + 1 merge where each stride of j is the stride of j + 1 times its size."""
+    merged: list[Dim] = []
+    for d in dims:
+        if merged:
+            p = merged[-1]
+            if p.in_stride == d.in_stride * d.size and p.out_stride == d.out_stride * d.size:
+                merged[-1] = Dim(p.size * d.size, d.in_stride, d.out_stride)
+                continue
+        merged.append(d)
+    return tuple(merged)
+
+
+def simplify(shape, in_strides, out_strides) -> Simplified:
+    """The permutation of dims of ``shape`` (in output order) with ``in_strides`` and
+    ``out_strides`` (elements, any signs) as :class:`Simplified` dims: size-1 dims dropped,
+    dims with negative output strides flipped, sorted by output stride (the output's memory
+    order; C order: output order), adjacent dims merged (:func:`merge`). An empty array is one
+    dim of size 0; a single element one dim of size 1. ValueError for an output stride of 0 on
+    a dim of size > 1 (overlapping output elements)."""
+    shape = tuple(int(n) for n in shape)
+    if not len(shape) == len(in_strides) == len(out_strides):
+        raise ValueError(f"simplify: shape {shape}, input strides {tuple(in_strides)} and "
+                         f"output strides {tuple(out_strides)} differ in length")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"simplify: negative size in shape {shape}")
+    if 0 in shape:
+        return Simplified((Dim(0, 1, 1),))
+    in_off = out_off = 0
+    dims = []
+    for n, a, b in zip(shape, in_strides, out_strides):
+        a, b = int(a), int(b)
+        if n == 1:
+            continue
+        if b == 0:
+            raise ValueError(f"simplify: an output dim of size {n} has stride 0 (overlapping "
+                             f"output elements)")
+        if b < 0:  # walk it forwards on the output: the same pairs of elements
+            in_off += (n - 1) * a
+            out_off += (n - 1) * b
+            a, b = -a, -b
+        dims.append(Dim(n, a, b))
+    dims.sort(key=lambda d: (-d.out_stride, -abs(d.in_stride)))
+    merged = merge(dims)
+    return Simplified(merged or (Dim(1, 1, 1),), in_off, out_off)
+
+
+def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
+               out_base: int) -> tuple[tuple[Dim, ...], int, int, int]:
+    """(dims, element bytes, in_base, out_base) after folding an innermost dim contiguous on
+    both sides into the element, where there are other dims, its bytes are a power of two up
+    to 16, and every other stride, both offsets and both pointers (``in_align``,
+    ``out_align``: bytes) allow the wider element; unchanged otherwise."""
+    dims = tuple(dims)
+    while len(dims) >= 2:
+        d = dims[-1]
+        n, nbytes = d.size, d.size * elem
+        if not (d.in_stride == 1 and d.out_stride == 1 and nbytes <= 16
+                and nbytes & (nbytes - 1) == 0 and in_align % nbytes == 0
+                and out_align % nbytes == 0 and in_base % n == 0 and out_base % n == 0
+                and all(o.in_stride % n == 0 and o.out_stride % n == 0 for o in dims[:-1])):
+            break
+        dims = merge(Dim(o.size, o.in_stride // n, o.out_stride // n) for o in dims[:-1])
+        elem, in_base, out_base = nbytes, in_base // n, out_base // n
+    return dims, elem, in_base, out_base
+
+
+def vector_width(elem: int, align: int, base: int, strides) -> int:
+    """Elements a vector access moves: the largest power of two up to 16 bytes dividing the
+    pointer's alignment (``align`` bytes) with the first element's offset ``base`` and every
+    stride in ``strides`` (elements)."""
+    v = 16 // elem
+    while v > 1 and (align % (v * elem) or base % v or any(s % v for s in strides)):
+        v //= 2
+    return max(v, 1)
+
+
+def _p2ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _p2floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def rows_unroll(word: int) -> int:
+    """Words a rows-kernel thread keeps in flight (kernels/permute.cuh: perm::rows_unroll)."""
+    return 4 if word >= 16 else 8
+
+
+def fast_div(d: int) -> tuple[int, int]:
+    """(m, s) of the kernels' perm::fdiv for divisor ``d`` >= 1: for 0 <= n < 2^31,
+    n // d == (((n * m) >> 32) + n) >> s; (0, 31) for d >= 2^31, where every quotient is 0."""
+    if d < 1:
+        raise ValueError(f"fast_div: divisor {d} out of range")
+    if d >= 2**31:
+        return 0, 31
+    s = (d - 1).bit_length()
+    return (2**32 * (2**s - d)) // d + 1, s
+
+
+def _default_tile(elem: int, tuning: Tuning) -> tuple[int, int]:
+    for e, ti, to in tuning.perm_tiles:
+        if e == elem:
+            return ti, to
+    raise ValueError(f"plan: no default tile for {elem}-byte elements in perm_tiles")
+
+
+class TileShape(NamedTuple):
+    """The tile kernel's shape: extents along i and o, whether each side is a flat run, the
+    vector widths (elements), the shared-memory row pitch (elements) and phase 2's lane
+    grouping (log2 of adjacent o-words)."""
+
+    ti: int
+    to: int
+    flat_in: bool
+    flat_out: bool
+    vec_in: int
+    vec_out: int
+    pitch: int
+    group: int
+
+
+def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int = 16,
+               out_align: int = 16, in_base: int = 0, out_base: int = 0) -> TileShape:
+    """The tile for a transpose of dim ``i`` (input stride 1) by dim ``o`` (output stride 1)
+    beside ``batch`` dims, for ``elem``-byte elements.
+
+    Default extents come from the tuning's perm_tiles (16 KB, rows of >= 128 bytes). A side is
+    flat, its dim held whole, where its rows join into one run (input: o's input stride is si;
+    output: i's output stride is so), the dim has at most perm_flat_max_bytes, and its rows
+    allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd) or are under 32 bytes
+    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts. Both sides flat
+    only where the whole (i, o) plane fits perm_tile_max_bytes. Beside a flat side the other
+    extent fills perm_tile_bytes (at least 16 bytes, at most its dim and perm_tile_max_extent);
+    a short row side leaves the other grown up to perm_tile_bytes. Vectors: the widest the
+    pointer, offsets and strides allow, at most the tile's row. Pitch: 4 (mod 8) elements,
+    ti + 4 (phase 2's lane groups read distinct banks), si for a flat input. Group:
+    o-words of 32 bytes together."""
+    si, so = i.size, o.size
+    ti0, to0 = _default_tile(elem, tuning)
+    bin_ = [b.in_stride for b in batch]
+    bout = [b.out_stride for b in batch]
+    vi_row = vector_width(elem, in_align, in_base, bin_ + [o.in_stride])
+    vi_flat = vector_width(elem, in_align, in_base, bin_)
+    vo_row = vector_width(elem, out_align, out_base, bout + [i.out_stride])
+    vo_flat = vector_width(elem, out_align, out_base, bout)
+    cap = tuning.perm_tile_max_bytes
+    short = tuning.perm_flat_max_bytes
+    fin = (o.in_stride == si and si * elem <= short and (vi_row < vi_flat or si * elem < 32))
+    fout = (i.out_stride == so and so * elem <= short and (vo_row < vo_flat or so * elem < 32))
+    if fin and fout and si * so * elem > cap:
+        fin, fout = (True, False) if si <= so else (False, True)
+    ti = si if fin else min(ti0, _p2ceil(si))
+    to = so if fout else min(to0, _p2ceil(so))
+    area, ext, lo = tuning.perm_tile_bytes, tuning.perm_tile_max_extent, 16 // elem
+    if fin and not fout:  # a whole i: o as long as the area allows
+        to = min(max(_p2floor(area // (si * elem)), lo), _p2ceil(so), ext)
+    elif fout and not fin:  # a whole o: i as long as the area allows
+        ti = min(max(_p2floor(area // (so * elem)), lo), _p2ceil(si), ext)
+    elif not fin and not fout:
+        if ti < ti0:  # a short i: grow o
+            to = max(to, min(_p2floor(area // (ti * elem)), _p2ceil(so), ext))
+        if to < to0:  # a short o: grow i
+            ti = max(ti, min(_p2floor(area // (to * elem)), _p2ceil(si), ext))
+    vi = vi_flat if fin else vi_row
+    vo = vo_flat if fout else vo_row
+    # a word stays inside a tile row (row sides) or the run starts on a word (flat sides: the
+    # other extent is a multiple of the vector, or there is one tile along it)
+    if not fin:
+        vi = min(vi, ti)
+    elif not fout:
+        vi = min(vi, to)
+    if not fout:
+        vo = min(vo, to)
+    elif not fin:
+        vo = min(vo, ti)
+    pitch = si if fin else ti + (4 - ti) % 8
+    group = 0
+    if not fout:
+        g = min(max(1, 32 // (vo * elem)), to // vo)
+        group = g.bit_length() - 1
+    return TileShape(ti, to, fin, fout, vi, vo, pitch, group)
+
+
+def index_bits(dims, *counts) -> int:
+    """32 where every offset on either side (the sum of (size - 1) * |stride|) and every count
+    is below INDEX_LIMIT, else 64."""
+    span_in = sum((d.size - 1) * abs(d.in_stride) for d in dims)
+    span_out = sum((d.size - 1) * abs(d.out_stride) for d in dims)
+    return 32 if max(span_in, span_out, *counts) < INDEX_LIMIT else 64
+
+
+@dataclass(frozen=True)
+class PermutePlan:
+    """One permute launch, fully decided. Printable, comparable.
+
+    ``merged``: :func:`simplify`'s dims (array elements); ``dims``: what the kernel runs, in
+    ``elem``-byte elements (after :func:`fold_inner`). Rows kernels walk ``walk`` (len, in
+    step, out step in ``word``-byte words) for every index of ``batch``; tile kernels
+    transpose ``i_dim`` by ``o_dim`` (elements) for every index of ``batch``. ``in_base``,
+    ``out_base``: the first element's offset from each pointer, in kernel words."""
+
+    kind: str  # copy | tile | general
+    itemsize: int
+    merged: tuple[Dim, ...]
+    dims: tuple[Dim, ...]
+    elem: int
+    word: int  # bytes a kernel word (rows: W; tile: T)
+    vec_in: int  # elements a global load moves (rows: word // elem)
+    vec_out: int  # elements a global store moves
+    batch: tuple[Dim, ...]  # in kernel words, outermost first
+    in_base: int
+    out_base: int
+    block: tuple[int, int]
+    grid: int
+    tiles: int
+    index: int  # 32 or 64
+    targs: tuple
+    kernel: str = ""
+    walk: Dim | None = None
+    segs: int = 0
+    tail: int = 0
+    i_dim: Dim | None = None
+    o_dim: Dim | None = None
+    tile: tuple[int, int] = (0, 0)  # (ti, to)
+    flat_in: bool = False
+    flat_out: bool = False
+    pitch: int = 0
+    group: int = 0
+    smem: int = 0
+    device: str = ""
+    label: str = ""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def family(self) -> str:
+        return "permute"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(d.size for d in self.merged)
+
+    @property
+    def rows(self) -> int:
+        return math.prod(d.size for d in self.batch)
+
+    def __str__(self) -> str:
+        def dims_text(dims) -> str:
+            return (f"sizes {tuple(d.size for d in dims)} in strides "
+                    f"{tuple(d.in_stride for d in dims)} out strides "
+                    f"{tuple(d.out_stride for d in dims)}")
+
+        head = f"permute {self.label}" if self.label else "permute"
+        lines = [f"{head} ({self.itemsize}-byte elements) on {self.device}",
+                 f"  simplified         {dims_text(self.merged)}"]
+        if self.elem != self.itemsize:
+            lines.append(f"  folded             the inner {self.elem // self.itemsize} "
+                         f"elements move as one {self.elem}-byte element: "
+                         f"{dims_text(self.dims)}")
+        b = f", batch {tuple(d.size for d in self.batch)}" if self.batch else ""
+        if self.kind == "tile":
+            ti, to = self.tile
+            i, o = self.i_dim, self.o_dim
+            lines.append(f"  kind               tile: batched transpose of i ({i.size}, input "
+                         f"stride 1) x o ({o.size}, output stride 1){b}")
+            sides = [s for s, on in (("input", self.flat_in), ("output", self.flat_out)) if on]
+            flat = f"; flat {' and '.join(sides)} run" if sides else ""
+            lines.append(f"  tile               {ti} x {to} (i x o){flat}, shared memory "
+                         f"{self.smem} B (row pitch {self.pitch})")
+            lines.append(f"  vectors            loads {self.vec_in} x {self.elem} B along "
+                         f"{'the input run' if self.flat_in else 'i'}, stores {self.vec_out} x "
+                         f"{self.elem} B along {'the output run' if self.flat_out else 'o'}")
+        else:
+            w = self.walk
+            what = ("copy: the inner dim is contiguous on both sides" if self.kind == "copy"
+                    else "general: strided rows of the inner output dim")
+            lines.append(f"  kind               {what}{b}")
+            lines.append(f"  rows               {self.rows} rows of {w.size} words (in step "
+                         f"{w.in_stride}, out step {w.out_stride})"
+                         + (f" and a {self.tail}-byte tail" if self.tail else ""))
+            lines.append(f"  vectors            {self.word} B words ({self.vec_in} "
+                         f"element{'s' if self.vec_in > 1 else ''})")
+        lines.append(f"  kernel             {self.kernel or self.targs}")
+        lines.append(f"  grid / block       {self.grid} x {self.block} over {self.tiles} "
+                     f"tiles")
+        lines.append(f"  index              {self.index}-bit")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _align(ptr_align: int) -> int:
+    """A pointer alignment (bytes, a power of two) capped at 16."""
+    a = int(ptr_align) if ptr_align else 16
+    return min(16, a & -a) if a > 0 else 16
+
+
+def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = None, *,
+                 in_align: int = 16, out_align: int = 16, signature=None,
+                 label: str = "") -> PermutePlan:
+    """The launch that moves ``simple`` (:func:`simplify`) of ``itemsize``-byte elements.
+    ``in_align``, ``out_align``: the alignment (bytes; any value, capped at 16) of the input's
+    and output's pointers. ``signature(plan)``: the kernel's name expression (the family's).
+    ValueError for an empty array (nothing launches) or more than MAX_DIMS dims."""
+    if itemsize not in WORDS:
+        raise ValueError(f"plan: {itemsize}-byte elements; the permute kernels move 1, 2, 4, "
+                         f"8 or 16 bytes")
+    if simple.numel == 0:
+        raise ValueError("plan: permute of an empty array launches nothing")
+    if len(simple.dims) > MAX_DIMS:
+        raise ValueError(f"plan: {len(simple.dims)} dims after simplifying; the kernels take "
+                         f"at most {MAX_DIMS}")
+    device = device or DeviceSpec.h100()
+    tuning = tuning_for(device)
+    threads = tuning.perm_threads
+    if threads > MAX_THREADS or threads % 32:
+        raise ValueError(f"plan: perm_threads {threads}: the kernels take a multiple of 32 up "
+                         f"to {MAX_THREADS}")
+    ia, oa = _align(in_align), _align(out_align)
+    dims, elem, in_base, out_base = fold_inner(simple.dims, itemsize, ia, oa,
+                                               simple.in_offset, simple.out_offset)
+    notes = []
+    last = dims[-1]
+    if last.in_stride == 1 and last.out_stride == 1:
+        plan = _rows_plan("copy", dims, elem, ia, oa, in_base, out_base, device, tuning)
+    else:
+        plan = None
+        i_at = [k for k, d in enumerate(dims[:-1]) if d.in_stride == 1]
+        if last.out_stride == 1 and i_at:
+            plan = _tile_plan(dims, i_at[-1], elem, ia, oa, in_base, out_base, device, tuning)
+            if plan is None:
+                notes.append("the tile would be under perm_tile_min_bytes: general kernel")
+        if plan is None:
+            plan = _rows_plan("general", dims, elem, ia, oa, in_base, out_base, device, tuning)
+    if plan.kind == "general" and last.out_stride != 1:
+        notes.append("the output has no dim of stride 1: strided stores")
+    if plan.vec_in * plan.elem < 16 and plan.kind != "general" and elem < 16:
+        notes.append(f"loads of {plan.vec_in * plan.elem} B, stores of "
+                     f"{plan.vec_out * plan.elem} B: the alignment of the pointers, strides "
+                     f"or sizes allows no wider")
+    plan = _replace(plan, itemsize=itemsize, merged=simple.dims, device=device.name,
+                    label=label, notes=tuple(notes))
+    if signature is not None:
+        plan = _replace(plan, kernel=signature(plan))
+    return plan
+
+
+def _replace(plan: PermutePlan, **changes) -> PermutePlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
+
+
+def _grid(tiles: int, threads: int, smem: int, device: DeviceSpec, tuning: Tuning) -> int:
+    resident = device.sms * max(1, device.model_occupancy(threads, smem))
+    return max(1, min(tiles, resident * tuning.perm_waves))
+
+
+def _rows_plan(kind: str, dims, elem: int, ia: int, oa: int, in_base: int, out_base: int,
+               device: DeviceSpec, tuning: Tuning) -> PermutePlan:
+    walk, batch = dims[-1], tuple(dims[:-1])
+    v, tail = 1, 0
+    if kind == "copy":
+        strides = [s for b in batch for s in (b.in_stride, b.out_stride)]
+        v = 16 // elem
+        while v > 1 and (ia % (v * elem) or oa % (v * elem) or in_base % v or out_base % v
+                         or any(s % v for s in strides) or (batch and walk.size % v)):
+            v //= 2
+        if not batch:
+            tail = (walk.size % v) * elem
+        walk = Dim(walk.size // v, 1, 1)
+        batch = tuple(Dim(b.size, b.in_stride // v, b.out_stride // v) for b in batch)
+        in_base, out_base = in_base // v, out_base // v
+    word = v * elem
+    u = rows_unroll(word)
+    threads = tuning.perm_threads
+    tx = min(threads, _p2ceil(-(-walk.size // u)))
+    ty = threads // tx
+    segs = max(1, -(-walk.size // (tx * u)))
+    rows = math.prod(b.size for b in batch)
+    tiles = -(-rows // ty) * segs
+    grid = _grid(tiles, threads, 0, device, tuning)
+    index = index_bits((walk, *batch), rows + ty, walk.size + tx * u, tiles + grid)
+    if tiles + grid >= 2**63:
+        raise ValueError("plan: too many row tiles")
+    return PermutePlan(kind, elem, (), tuple(dims), elem, word, v, v, batch, in_base, out_base,
+                       (tx, ty), grid, tiles, index, ("rows", word, index), walk=walk,
+                       segs=segs, tail=tail)
+
+
+def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_base: int,
+               device: DeviceSpec, tuning: Tuning) -> PermutePlan | None:
+    o, i = dims[-1], dims[i_at]
+    batch = tuple(d for k, d in enumerate(dims[:-1]) if k != i_at)
+    shape = tile_shape(i, o, batch, elem, tuning, ia, oa, in_base, out_base)
+    ti, to = shape.ti, shape.to
+    if ti * to * elem < tuning.perm_tile_min_bytes:
+        return None
+    smem = -(-(to * shape.pitch * elem) // 16) * 16
+    words1 = -(-(to * ti) // shape.vec_in)
+    words2 = -(-(to * ti) // shape.vec_out)
+    threads = min(tuning.perm_threads, max(64, _p2ceil(-(-max(words1, words2) // TILE_UNROLL))))
+    nti = 1 if shape.flat_in else -(-i.size // ti)
+    nto = 1 if shape.flat_out else -(-o.size // to)
+    tiles = math.prod(b.size for b in batch) * nti * nto
+    if tiles >= MAX_TILES:
+        raise ValueError(f"plan: {tiles} tiles; the tile kernel takes fewer than 2^31")
+    grid = _grid(tiles, threads, smem, device, tuning)
+    index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
+    targs = ("tile", elem, shape.vec_in, shape.vec_out, index)
+    return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
+                       batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
+                       i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
+                       flat_out=shape.flat_out, pitch=shape.pitch, group=shape.group,
+                       smem=smem)
+
+
+def reachable_steps() -> list[tuple]:
+    """Every kernel's template arguments the planner can produce (any shape, strides,
+    alignment or dtype): rows kernels of every word size, tile kernels of every element size
+    and pair of vector widths up to 16 bytes, each with 32- and 64-bit indices."""
+    out: list[tuple] = []
+    for index in (32, 64):
+        out += [("rows", w, index) for w in WORDS]
+        for e in WORDS:
+            vs = [v for v in WORDS if v * e <= 16]
+            out += [("tile", e, vi, vo, index) for vi in vs for vo in vs]
+    return out

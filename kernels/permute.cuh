@@ -1,0 +1,330 @@
+// Permute (cukern/ops/permute.py): y = x with its axes reordered, materialised, for arrays of any
+// strides. The kernels move unsigned words by size (1, 2, 4, 8 or 16 bytes), never values, so one
+// instantiation serves every dtype of a size and the copy is bit-exact. The planner
+// (cukern/plan/permute.py) simplifies the permutation to dims of (size, input stride, output
+// stride) in elements, then launches one kernel:
+//
+//   permute_rows<W, IDX>          rows along one dim: threads walk a row tile of TY rows by
+//                                 TX * U words (U words a thread in flight), the other dims'
+//                                 offsets decomposed once a row. A copy when the dim is
+//                                 contiguous on both sides (W: a vector of elements, 16 bytes
+//                                 where alignment allows, with a byte tail for one-row copies);
+//                                 the general strided kernel otherwise (W: one element).
+//   permute_tile<T, VI, VO, IDX>  a batched 2-D transpose through shared memory: dim i (input
+//                                 stride 1) by dim o (output stride 1) in tiles of ti x to,
+//                                 loaded VI elements a word along i, stored VO a word along o;
+//                                 the other dims are a batch of any strides. A tile side that is
+//                                 one contiguous run of memory (a short dim held whole: C = 3,
+//                                 HW = 49) is moved as that flat run, in full words.
+//
+// IDX is int where every offset and count fits in 31 bits, long long past that. Divisions by
+// run-time sizes use FastDiv (quotients of n < 2^31); 64-bit kernels divide natively only where
+// a row or tile index passes 2^31. The argument structs mirror numpy dtypes of the family module
+// (cukern/families/permute.py), passed by value.
+#pragma once
+
+namespace cukern {
+
+namespace perm {
+
+constexpr int kMaxDims = 8;    // batch dims a kernel decomposes
+constexpr int kThreads = 256;  // the most threads a block (__launch_bounds__)
+
+template <int BYTES> struct Bytes;
+template <> struct Bytes<1> { typedef unsigned char type; };
+template <> struct Bytes<2> { typedef unsigned short type; };
+template <> struct Bytes<4> { typedef unsigned int type; };
+template <> struct Bytes<8> { typedef unsigned long long type; };
+template <> struct Bytes<16> { typedef uint4 type; };
+template <int BYTES> using Word = typename Bytes<BYTES>::type;
+
+// Bytes a shared-memory store of a loaded word moves (row tiles): the tile's row pitch is
+// 4 (mod 8) elements against bank conflicts, which aligns rows to 4, 8 and 16 bytes for 1-, 2-
+// and 4-or-more-byte elements.
+__host__ __device__ constexpr int smem_unit(int elem, int vec) {
+  return vec * elem < (elem == 1 ? 4 : elem == 2 ? 8 : 16) ? vec * elem
+                                                          : (elem == 1 ? 4 : elem == 2 ? 8 : 16);
+}
+
+// N elements of T as one word, as elements, and as shared-memory units of SU bytes.
+template <typename T, int N, int SU> union Vec {
+  static_assert(sizeof(T) * N <= 16 && (sizeof(T) * N) % SU == 0, "a word is 1..16 bytes");
+  Word<sizeof(T) * N> w;
+  T e[N];
+  Word<SU> u[sizeof(T) * N / SU];
+};
+
+// Quotient of 0 <= n < 2^31 by a run-time divisor d: (umulhi(n, m) + n) >> s, with
+// s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1 from the host (m = 0, s = 31 for
+// d >= 2^31, where every such quotient is 0).
+__device__ __forceinline__ unsigned fdiv(unsigned n, unsigned m, unsigned s) {
+  return (__umulhi(n, m) + n) >> s;
+}
+
+// Dims beside the ones a kernel walks itself, innermost first: sizes, strides (elements) on
+// each side, the FastDiv constants of each size.
+struct Batch {
+  long long size[kMaxDims];
+  long long in[kMaxDims];
+  long long out[kMaxDims];
+  unsigned m[kMaxDims];
+  unsigned s[kMaxDims];
+  int n;
+  int pad_;
+};
+
+// Adds the input and output offsets of batch index idx to in and out.
+template <typename IDX>
+__device__ __forceinline__ void batch_offsets(const Batch& b, IDX idx, IDX& in, IDX& out) {
+#pragma unroll
+  for (int k = 0; k < kMaxDims; ++k) {
+    if (k < b.n) {
+      IDX q;
+      if (sizeof(IDX) > 4 && idx > IDX(0x7fffffff)) {
+        q = idx / IDX(b.size[k]);
+      } else {
+        q = IDX(fdiv(unsigned(idx), b.m[k], b.s[k]));
+      }
+      const IDX r = idx - q * IDX(b.size[k]);
+      in += r * IDX(b.in[k]);
+      out += r * IDX(b.out[k]);
+      idx = q;
+    }
+  }
+}
+
+// i / d for a tile or row-tile index i (64-bit kernels: natively past 2^31).
+template <typename IDX>
+__device__ __forceinline__ IDX div_index(IDX i, long long d, unsigned m, unsigned s) {
+  if (sizeof(IDX) > 4 && i > IDX(0x7fffffff)) return i / IDX(d);
+  return IDX(fdiv(unsigned(i), m, s));
+}
+
+// Words a rows-kernel thread keeps in flight: 4 of 16 bytes, 8 narrower ones.
+__host__ __device__ constexpr int rows_unroll(int bytes) { return bytes >= 16 ? 4 : 8; }
+
+// Words a tile-kernel thread loads (or gathers) before it stores them.
+constexpr int kTileUnroll = 4;
+
+}  // namespace perm
+
+// permute_rows: y[out_base + batch_out + c * out_step] = x[in_base + batch_in + c * in_step] for
+// every row (a batch index) and 0 <= c < len, in words W.
+struct PermuteRowsArgs {
+  perm::Batch batch;            // the rows: every dim but the walked one
+  long long in_base, out_base;  // offsets (words) of the first element visited
+  long long len;                // words a row
+  long long in_step, out_step;  // the walked dim's strides, in words
+  long long rows;               // batch indices (product of the batch sizes)
+  long long tiles;              // row tiles (TY rows) x segments (TX * U words)
+  long long segs;               // segments a row, and its FastDiv constants
+  unsigned seg_m, seg_s;
+  int tail;                     // bytes after len words still to copy (one-row copies)
+  int pad_;
+};
+
+template <typename W, typename IDX>
+__global__ void __launch_bounds__(perm::kThreads)
+    permute_rows(const W* __restrict__ x, W* __restrict__ y, const PermuteRowsArgs a) {
+  constexpr int U = perm::rows_unroll(sizeof(W));
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int TX = blockDim.x, TY = blockDim.y;
+  const IDX len = IDX(a.len), rows = IDX(a.rows), tiles = IDX(a.tiles), segs = IDX(a.segs);
+  const IDX is = IDX(a.in_step), os = IDX(a.out_step);
+  const W* __restrict__ xb = x + a.in_base;
+  W* __restrict__ yb = y + a.out_base;
+  for (IDX t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const IDX rt = perm::div_index(t, a.segs, a.seg_m, a.seg_s);
+    const IDX seg = t - rt * segs;
+    const IDX row = rt * TY + ty;
+    if (row >= rows) continue;
+    IDX io = 0, oo = 0;
+    perm::batch_offsets(a.batch, row, io, oo);
+    const IDX c0 = seg * IDX(TX * U) + tx;
+    W v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const IDX c = c0 + IDX(u * TX);
+      if (c < len) v[u] = xb[io + c * is];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const IDX c = c0 + IDX(u * TX);
+      if (c < len) yb[oo + c * os] = v[u];
+    }
+  }
+  if (a.tail && blockIdx.x == 0 && ty * TX + tx < a.tail) {  // at most 15 bytes
+    const long long at = a.len * (long long)sizeof(W) + ty * TX + tx;
+    reinterpret_cast<unsigned char*>(yb)[at] = reinterpret_cast<const unsigned char*>(xb)[at];
+  }
+}
+
+// permute_tile: for every batch index and (i, o) < (si, so),
+// y[out_base + batch_out + i * i_out + o] = x[in_base + batch_in + o * o_in + i].
+// A tile is ti x to; shared memory holds it in input order, row o_l at o_l * pitch (pitch = si
+// for a flat input run). Phase 1 loads words of VI elements along i (or along the flat run) and
+// stores them to shared memory; phase 2 gathers VO elements along o for one i into a word and
+// stores it along the output row (or the flat output run). Phase 2 lanes take 2^group adjacent
+// o-words of one row (32 bytes: whole sectors), then the next rows.
+struct PermuteTileArgs {
+  perm::Batch batch;            // every dim but i and o
+  long long in_base, out_base;  // element offsets of the first element visited
+  long long si, so;             // sizes of i and o
+  long long o_in, i_out;        // input stride of o, output stride of i
+  long long tiles;              // batch x tiles along o x tiles along i
+  int ti, to;                   // tile extents along i and o
+  int pitch;                    // shared-memory elements between tile rows
+  int nti, nto;                 // tiles along i and o, and their FastDiv constants
+  unsigned nti_m, nti_s, nto_m, nto_s;
+  int flat_in;                  // ti == si and o_in == si: a tile's input is one run
+  int flat_out;                 // to == so and i_out == so: a tile's output is one run
+  int in_words;                 // VI-words a tile row (row input), and its FastDiv constants
+  unsigned in_words_m, in_words_s;
+  int out_words;                // VO-words an output tile row (row output)
+  int group;                    // log2 of the o-words adjacent lanes take (row output)
+  unsigned ti_m, ti_s;          // FastDiv constants of ti
+  unsigned so_m, so_s;          // FastDiv constants of so (flat output)
+};
+
+template <typename T, int VI, int VO, typename IDX>
+__global__ void __launch_bounds__(perm::kThreads)
+    permute_tile(const T* __restrict__ x, T* __restrict__ y, const PermuteTileArgs a) {
+  constexpr int E = sizeof(T);
+  constexpr int SU = perm::smem_unit(E, VI);
+  constexpr int UN = perm::kTileUnroll;
+  typedef perm::Vec<T, VI, SU> In;
+  typedef perm::Vec<T, VO, (VO * E < 4 ? VO * E : 4)> Out;
+  extern __shared__ uint4 perm_smem[];
+  T* s = reinterpret_cast<T*>(perm_smem);
+  const int NT = blockDim.x;
+  const IDX si = IDX(a.si), so = IDX(a.so), o_in = IDX(a.o_in), i_out = IDX(a.i_out);
+  const int ti = a.ti, to = a.to, pitch = a.pitch;
+  const T* __restrict__ xb = x + a.in_base;
+  T* __restrict__ yb = y + a.out_base;
+  for (IDX t = blockIdx.x; t < IDX(a.tiles); t += gridDim.x) {
+    // the tile: i fastest, then o, then the batch
+    const unsigned r1 = perm::fdiv(unsigned(t), a.nti_m, a.nti_s);
+    const unsigned tb = perm::fdiv(r1, a.nto_m, a.nto_s);
+    const IDX i0 = IDX(unsigned(t) - r1 * unsigned(a.nti)) * ti;
+    const IDX o0 = IDX(r1 - tb * unsigned(a.nto)) * to;
+    IDX ib = 0, ob = 0;
+    perm::batch_offsets(a.batch, IDX(tb), ib, ob);
+    const int ti_e = int(si - i0 < IDX(ti) ? si - i0 : IDX(ti));  // extents of this tile
+    const int to_e = int(so - o0 < IDX(to) ? so - o0 : IDX(to));
+
+    // Phase 1: global -> shared memory, words of VI elements along i (or the flat run).
+    const int n_in = a.flat_in ? to_e * ti_e : 0;  // flat run length
+    const int words1 = a.flat_in ? (n_in + VI - 1) / VI : to * a.in_words;
+    for (int w0 = threadIdx.x; w0 < words1; w0 += UN * NT) {
+      In v[UN];
+      int nv[UN], at[UN];
+#pragma unroll
+      for (int k = 0; k < UN; ++k) {
+        const int w = w0 + k * NT;
+        nv[k] = 0;
+        at[k] = 0;
+        if (w < words1) {
+          IDX g = 0;  // offsets are formed only for elements inside the arrays
+          if (a.flat_in) {
+            const int q = w * VI;
+            nv[k] = n_in - q < VI ? n_in - q : VI;
+            at[k] = q;
+            g = ib + o0 * o_in + q;
+          } else {
+            const int ol = int(perm::fdiv(unsigned(w), a.in_words_m, a.in_words_s));
+            const int il = (w - ol * a.in_words) * VI;
+            const int left = ti_e - il;
+            nv[k] = ol < to_e && left > 0 ? (left < VI ? left : VI) : 0;
+            at[k] = ol * pitch + il;
+            if (nv[k] > 0) g = ib + (o0 + ol) * o_in + i0 + il;
+          }
+          if (nv[k] == VI) {
+            v[k].w = *reinterpret_cast<const perm::Word<VI * E>*>(xb + g);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VI; ++j)
+              if (j < nv[k]) v[k].e[j] = xb[g + j];
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < UN; ++k) {
+        if (nv[k] == VI) {
+          perm::Word<SU>* d = reinterpret_cast<perm::Word<SU>*>(s + at[k]);
+#pragma unroll
+          for (int j = 0; j < VI * E / SU; ++j) d[j] = v[k].u[j];
+        } else {
+#pragma unroll
+          for (int j = 0; j < VI; ++j)
+            if (j < nv[k]) s[at[k] + j] = v[k].e[j];
+        }
+      }
+    }
+    __syncthreads();
+
+    // Phase 2: shared memory -> global, words of VO elements along o (or the flat run).
+    const int n_out = a.flat_out ? ti_e * to_e : 0;
+    const int words2 = a.flat_out ? (n_out + VO - 1) / VO : ti * a.out_words;
+    const int gmask = (1 << a.group) - 1;
+    for (int w0 = threadIdx.x; w0 < words2; w0 += UN * NT) {
+      Out v[UN];
+      int nv[UN];
+      IDX g[UN];
+#pragma unroll
+      for (int k = 0; k < UN; ++k) {
+        const int w = w0 + k * NT;
+        nv[k] = 0;
+        g[k] = 0;
+        if (w < words2) {
+          if (a.flat_out) {
+            const int q = w * VO;
+            int il = int(perm::fdiv(unsigned(q), a.so_m, a.so_s));
+            int ol = q - il * int(a.so);
+            nv[k] = n_out - q < VO ? n_out - q : VO;
+            g[k] = ob + i0 * so + q;
+#pragma unroll
+            for (int j = 0; j < VO; ++j) {
+              if (j < nv[k]) {
+                v[k].e[j] = s[ol * pitch + il];
+                if (++ol == int(a.so)) {
+                  ol = 0;
+                  ++il;
+                }
+              }
+            }
+          } else {
+            const int r = w >> a.group;
+            const int og = int(perm::fdiv(unsigned(r), a.ti_m, a.ti_s));
+            const int il = r - og * ti;
+            const int ol = (((og << a.group) | (w & gmask))) * VO;
+            const int left = to_e - ol;
+            nv[k] = il < ti_e && left > 0 ? (left < VO ? left : VO) : 0;
+            if (nv[k] > 0) g[k] = ob + (i0 + il) * i_out + o0 + ol;
+            const T* src = s + ol * pitch + il;
+            if (nv[k] == VO) {
+#pragma unroll
+              for (int j = 0; j < VO; ++j) v[k].e[j] = src[j * pitch];
+            } else {
+#pragma unroll
+              for (int j = 0; j < VO; ++j)
+                if (j < nv[k]) v[k].e[j] = src[j * pitch];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < UN; ++k) {
+        if (nv[k] == VO) {
+          *reinterpret_cast<perm::Word<VO * E>*>(yb + g[k]) = v[k].w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < VO; ++j)
+            if (j < nv[k]) yb[g[k] + j] = v[k].e[j];
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace cukern
