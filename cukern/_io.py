@@ -22,12 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["InputError", "RunError", "open_array", "float_dtype", "np_dtype", "Outputs",
-           "check_outputs"]
+__all__ = ["InputError", "RunError", "open_array", "float_dtype", "data_dtype", "np_dtype",
+           "Outputs", "check_outputs"]
 
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
+DATA_NAMES = ("bool, int8..int64, uint8..uint64, float16, bfloat16, float32, float64, complex64 "
+              "or complex128")
 
 
 class InputError(Exception):
@@ -62,6 +64,22 @@ def float_dtype(dtype: np.dtype, what: str) -> np.dtype:
     raise InputError(f"{what} has dtype {dtype}; expected {FLOAT_NAMES}")
 
 
+def data_dtype(dtype: np.dtype, what: str) -> np.dtype:
+    """The native dtype of data stored as ``dtype`` for ops that only move bytes (permute): bool,
+    integers, floats (raw ``V2`` records are bfloat16) and complex, or InputError naming
+    ``what``."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "V" and dtype.names is None and dtype.itemsize == 2 and not dtype.shape:
+        return np_dtype("bfloat16")
+    if dtype == np_dtype("bfloat16"):
+        return dtype
+    sizes = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
+    if dtype.names is None and not dtype.shape and dtype.itemsize in sizes.get(dtype.kind, ()):
+        return dtype.newbyteorder("=")
+    kind = "Python objects (dtype object)" if dtype.hasobject else f"dtype {dtype}"
+    raise InputError(f"{what} has {kind}; expected {DATA_NAMES}")
+
+
 def split_spec(spec: str) -> tuple[Path, str | None]:
     """``PATH`` or ``PATH.npz:KEY`` -> (path, key). A name that exists as a file wins."""
     if os.path.exists(spec) or ":" not in spec:
@@ -70,13 +88,15 @@ def split_spec(spec: str) -> tuple[Path, str | None]:
     return Path(path), key
 
 
-def open_array(spec: str, what: str | None = None) -> np.ndarray:
+def open_array(spec: str, what: str | None = None, *, any_dtype: bool = False) -> np.ndarray:
     """Open ``PATH.npy`` or ``PATH.npz[:KEY]`` read-only, memory-mapped where possible.
 
-    The result has a float dtype (bfloat16 for raw 2-byte records). Raises InputError with a
-    one-line message for a missing file, a file that is neither .npy nor .npz, an unknown key,
-    or a dtype that is not float16, bfloat16, float32 or float64.
+    The result has a float dtype (bfloat16 for raw 2-byte records); with ``any_dtype``, also
+    bool, integer or complex (:func:`data_dtype`). Raises InputError with a one-line message for
+    a missing file, a file that is neither .npy nor .npz, an unknown key, or a dtype that is not
+    float16, bfloat16, float32 or float64 (or not one of ``data_dtype``'s).
     """
+    check = data_dtype if any_dtype else float_dtype
     path, key = split_spec(spec)
     what = what or spec
     if not path.exists():
@@ -91,9 +111,9 @@ def open_array(spec: str, what: str | None = None) -> np.ndarray:
     if magic.startswith(_NPY_MAGIC):
         if key is not None:
             raise InputError(f"{path} is an .npy file; ':{key}' names an array in an .npz file")
-        return _map_npy(path, 0, what)
+        return _map_npy(path, 0, what, check)
     if magic[:4] in _ZIP_MAGIC:
-        return _open_member(path, key, what)
+        return _open_member(path, key, what, check)
     raise InputError(f"{path} is not an .npy or .npz file")
 
 
@@ -111,12 +131,13 @@ def _read_header(f, what: str):
     return tuple(shape), bool(fortran), dtype, f.tell()
 
 
-def _map_npy(path: Path, start: int, what: str) -> np.ndarray:
-    """Memory-map the .npy image that begins ``start`` bytes into ``path``."""
+def _map_npy(path: Path, start: int, what: str, check=float_dtype) -> np.ndarray:
+    """Memory-map the .npy image that begins ``start`` bytes into ``path``; ``check(stored,
+    what)`` gives the dtype the data is read as (or refuses it)."""
     with open(path, "rb") as f:
         f.seek(start)
         shape, fortran, stored, header_end = _read_header(f, what)
-    dtype = float_dtype(stored, what)
+    dtype = check(stored, what)
     count = int(np.prod(shape, dtype=np.int64))
     need = header_end + count * stored.itemsize
     have = path.stat().st_size
@@ -136,7 +157,7 @@ def _as_float(arr: np.ndarray, stored: np.dtype, dtype: np.dtype) -> np.ndarray:
     return arr.view(dtype) if stored.kind == "V" else arr
 
 
-def _open_member(path: Path, key: str | None, what: str) -> np.ndarray:
+def _open_member(path: Path, key: str | None, what: str, check=float_dtype) -> np.ndarray:
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
@@ -160,10 +181,10 @@ def _open_member(path: Path, key: str | None, what: str) -> np.ndarray:
                 local = f.read(30)
             start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + \
                 int.from_bytes(local[28:30], "little")
-            return _map_npy(path, start, label)
+            return _map_npy(path, start, label, check)
         with zf.open(info) as f:  # compressed: the member must be read into memory
             shape, fortran, stored, _ = _read_header(f, label)
-            dtype = float_dtype(stored, label)
+            dtype = check(stored, label)
             data = np.frombuffer(f.read(), dtype=stored)
     count = int(np.prod(shape, dtype=np.int64))
     if data.size < count:

@@ -17,7 +17,7 @@ from .._selftest import rel_error
 
 __all__ = ["pipeline_checks"]
 
-# (label, command line from the files {"x", "y", "dy", "w", "b"}) for each op command
+# (label, command line from the files {"x", "y", "dy", "w", "b", "x3"}) for each op command
 CASES = (
     ("softmax", lambda f: ["softmax", f["x"]]),
     ("log_softmax", lambda f: ["softmax", f["x"], "--log"]),
@@ -28,6 +28,7 @@ CASES = (
                                        "--weight", f["w"]]),
     ("rms_norm", lambda f: ["rms-norm", f["x"], "--weight", f["w"]]),
     ("rms_norm_backward", lambda f: ["rms-norm", f["x"], "--grad", f["dy"], "--weight", f["w"]]),
+    ("permute", lambda f: ["permute", f["x3"], "--axes", "0,2,1"]),  # streamed: axis 0 stays
 )
 
 
@@ -51,7 +52,8 @@ def pipeline_checks(app: click.Group, device, dtypes, seed: int = 0):
                               ("y", reference.softmax(rng.standard_normal(shape))),
                               ("dy", rng.standard_normal(shape)),
                               ("w", 1 + 0.1 * rng.standard_normal(shape[-1])),
-                              ("b", 0.1 * rng.standard_normal(shape[-1]))):
+                              ("b", 0.1 * rng.standard_normal(shape[-1])),
+                              ("x3", rng.standard_normal((shape[0], 30, 50)))):
                 files[name] = str(Path(tmp) / f"{name}-{dtype}.npy")
                 np.save(files[name], arr.astype(dt))
             for label, build in CASES:

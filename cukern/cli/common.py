@@ -19,6 +19,9 @@ from .. import _io
 from .._io import InputError, RunError
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+# what only moves bytes (permute) takes besides: bool, integers, complex
+MOVE_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+               "complex64", "complex128")
 HELP = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 

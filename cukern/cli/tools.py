@@ -23,6 +23,7 @@ from .._io import InputError, RunError
 from . import common
 from .common import (
     DTYPES,
+    MOVE_DTYPES,
     _command,
     _device,
     _Fail,
@@ -42,7 +43,12 @@ __all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_c
 @_command("explain")
 @click.argument("op", metavar="OP")
 @click.option("--shape", required=True, metavar="SHAPE", help="The array's shape, e.g. 49152x1000.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES + MOVE_DTYPES), default="float32",
+              show_default=True, metavar="DTYPE",
+              help="float16, bfloat16, float32 or float64 (permute also bool, int8..int64, "
+                   "uint8..uint64, complex64, complex128).")
+@click.option("--axes", metavar="LIST",
+              help="Permute: the order of the axes, e.g. 0,2,3,1 (default: reversed).")
 @click.option("--axis", type=int, default=None,
               help="The reduced axis (row-wise ops; default -1) or the channel axis (batch "
                    "norm; default 1).")
@@ -58,8 +64,8 @@ __all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_c
               help="Batch norm: the memory order (NHWC: channels last).")
 @click.option("--relu", is_flag=True, help="Batch norm: fused ReLU (and its mask).")
 @click.option("--addend", is_flag=True, help="Batch norm: fused add before the ReLU.")
-def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual, eval_mode, layout,
-                relu, addend):
+def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, eval_mode,
+                layout, relu, addend):
     """Show the kernel plan for OP on an array, without running anything.
 
     \b
@@ -69,6 +75,7 @@ def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual, eval_mod
       cukern explain softmax --shape 49152x1000 --dtype float16
       cukern explain layer-norm --shape 2048x65536 --dtype float16 --weight --residual
       cukern explain batch-norm --shape 64x256x56x56 --dtype float16 --layout NHWC --relu
+      cukern explain permute --shape 64x256x56x56 --dtype int8 --axes 0,2,3,1
     """
     from .._device import DeviceSpec
     from .._explain import explain
@@ -90,6 +97,14 @@ def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual, eval_mod
         if spec == "cpu":
             raise InputError("--device cpu: explain plans GPU kernels; use auto, h100, a100 or "
                              "gpu:N")
+    if name == "permute":
+        click.echo(str(_explain_permute(explain, dims, dtype, axes, spec, shape, axis=axis,
+                                        weight=weight, bias=bias, residual=residual,
+                                        eval=eval_mode, relu=relu, addend=addend,
+                                        layout=layout.upper() != "NCHW")))
+        return
+    if axes is not None:
+        raise InputError(f"--axes is permute's; {op} takes --axis")
     kw = {}
     if not registry.get(name).rowwise:
         kw = dict(training=not eval_mode, layout=layout.upper(), relu=relu, addend=addend)
@@ -102,6 +117,20 @@ def explain_cmd(op, shape, dtype, axis, device, weight, bias, residual, eval_mod
     except (ValueError, TypeError) as err:
         raise InputError(str(err).removeprefix("explain: ")) from None
     click.echo(str(plan))
+
+
+def _explain_permute(explain, dims, dtype, axes, spec, shape_text, **others):
+    """permute's plan for a C-contiguous array of ``dims``; the other ops' options refused."""
+    from .permute import parse_axes
+
+    given = [f"--{k}" for k, v in others.items() if v not in (None, False)]
+    if given:
+        raise InputError(f"{', '.join(given)}: not permute's options; it takes --axes")
+    order = parse_axes(axes, dims, f"--shape {shape_text}")
+    try:
+        return explain("permute", dims, dtype, axes=order, device=spec)
+    except (ValueError, TypeError) as err:
+        raise InputError(str(err).removeprefix("explain: ")) from None
 
 
 @_command("info")
