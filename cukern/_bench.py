@@ -5,6 +5,10 @@ Effective bandwidth = bytes that must move (each input read once, each output wr
 median kernel time. The copy moves the same number of bytes as a forward op (one read, one
 write of the array); ``pct_copy`` is an op's bandwidth over the copy's. Inputs rotate over
 enough buffers to leave the L2 cache behind, so small shapes measure memory, not cache.
+
+``sweep("permute", ...)`` times 2-D transposes of (rows, cols) arrays, beside PyTorch's
+``copy_`` of ``x.t()`` (what ``.contiguous()`` runs), CuPy's copy of ``x.T`` (``--vs cupy``)
+and JAX's jitted transpose; ``benchmarks/bench_permute.py`` times the layout shapes.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from ._io import np_dtype
 __all__ = ["sweep", "plot", "time_gpu", "time_wall", "jax_pipelined", "host_overhead_us", "OPS",
            "default_cols"]
 
-# The ops sweep() times: the softmax family (the norms have their own benchmark).
-OPS = tuple(name for name, spec in registry.OPS.items() if spec.family == "softmax")
+# The ops sweep() times: the softmax family and permute as a 2-D transpose (the norms and
+# batch norm have their own benchmarks).
+OPS = tuple(name for name, spec in registry.OPS.items()
+            if spec.family == "softmax" or name == "permute")
 ROTATE_BYTES = 256 * 2**20  # > 4x the H100's 50 MB L2
 
 
@@ -134,6 +140,8 @@ def _peer_fns(op: str, peer: str, xs, dys):
     def stream(fn):
         return lambda reps: time_gpu(fn, n_sets, reps)
 
+    if op == "permute":
+        return _permute_peer_fns(peer, xs, stream)
     if peer == "cukern":
         import cupy as cp
 
@@ -180,6 +188,41 @@ def _peer_fns(op: str, peer: str, xs, dys):
 
         g = sp.softmax if op == "softmax" else sp.log_softmax
         return stream(lambda i: g(xs[i], axis=-1))
+    return None
+
+
+def _permute_peer_fns(peer: str, xs, stream):
+    """Timers for a 2-D transpose of each (rows, cols) input into one (cols, rows) output a
+    set, as :func:`_peer_fns` gives them; None for a peer with no transpose."""
+    n_sets = len(xs)
+    if peer == "cukern":
+        import cupy as cp
+
+        import cukern
+
+        outs = [cp.empty(x.shape[::-1], x.dtype) for x in xs]
+        return stream(lambda i: cukern.permute(xs[i], (1, 0), out=outs[i]))
+    if peer == "cupy":
+        import cupy as cp
+
+        outs = [cp.empty(x.shape[::-1], x.dtype) for x in xs]
+        return stream(lambda i: cp.copyto(outs[i], xs[i].T))  # ascontiguousarray's kernel
+    if peer == "torch":
+        import torch
+
+        if torch.cuda.current_stream().cuda_stream != 0:
+            return None  # not on the legacy default stream: the events would not bracket it
+        tx = [torch.from_dlpack(x) for x in xs]
+        touts = [torch.empty(tuple(t.shape[::-1]), dtype=t.dtype, device=t.device) for t in tx]
+        return stream(lambda i: touts[i].copy_(tx[i].t()))  # what .contiguous() runs
+    if peer == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        jx = [jnp.from_dlpack(x) for x in xs]
+        f = jax.jit(lambda *a: [x.T for x in a])  # one dispatch for every input set
+        run, sync = jax_pipelined(lambda _: f(*jx))
+        return lambda reps: time_wall(lambda: run(0), sync, n_sets, reps)
     return None
 
 

@@ -1,5 +1,6 @@
 """``cukern selftest``: every op of :mod:`cukern.registry`, kernel variant and dtype on random
-data against the float64 NumPy references (on the CPU: the references themselves).
+data against the float64 NumPy references (on the CPU: the references themselves); permute
+against ``numpy.transpose``, bit for bit, at every element size.
 
 :func:`run` yields one row per check (a dict: op, variant, dtype, shape, error, tol, ok, note),
 so the command can print them as they complete; the command adds its own file pipeline checks
@@ -99,6 +100,8 @@ def _gpu_checks(device, dtypes, seed):
     _warm(device, spec, ops, dtypes)
     with cp.cuda.Device(device):
         yield from _batch_norm_checks(cp, dtypes, rng)
+        if "permute" in registry.OPS:
+            yield from _permute_checks(cp, dtypes, rng)
         for op in ops:
             for dtype in dtypes:
                 seen = set()
@@ -184,6 +187,70 @@ def _batch_norm_checks(cp, dtypes, rng):
                 first = str(err).splitlines()[0] if str(err) else ""
                 row.update(ok=False, note=f"{type(err).__name__}: {first}")
             yield row
+
+
+# (label, shape, axes, view of the input, strided out=): NCHW <-> NHWC, an odd rank-4 order, a
+# reversed and sliced view into a column slice of a bigger array, 5-D channels last
+_PERMUTE_CASES = (("NCHW->NHWC", (3, 5, 17, 19), (0, 2, 3, 1), None, False),
+                  ("NHWC->NCHW", (3, 17, 19, 5), (0, 3, 1, 2), None, False),
+                  ("rank-4 2031", (3, 5, 7, 9), (2, 0, 3, 1), None, False),
+                  ("view -> strided out", (40, 70), (1, 0), (slice(None, None, -1),
+                                                             slice(3, None)), True),
+                  ("5-D to_nhwc", (2, 6, 3, 5, 7), (0, 2, 3, 4, 1), None, False))
+
+
+def _elem_bytes(a: np.ndarray) -> np.ndarray:
+    """Each element's bytes: shape ``a.shape + (itemsize,)``."""
+    return np.asarray(a, order="C")[..., None].view(np.uint8)
+
+
+def _permute_checks(cp, dtypes, rng):
+    """permute against numpy.transpose on random bytes (NaN payloads included), bit for bit:
+    every element size (int8, the float dtypes asked for, complex64, complex128), into a fresh
+    array and into an ``out=`` (strided where the case says so; the rest of its buffer must
+    stay as it was). error: the share of elements that differ."""
+    import cukern
+
+    for dtype, (label, shape, axes, view, strided) in (
+            (d, c) for d in ("int8", *dtypes, "complex64", "complex128") for c in _PERMUTE_CASES):
+        row = dict(op="permute", variant=label, dtype=dtype, shape="x".join(map(str, shape)),
+                   tol=0.0)
+        try:
+            dt = np_dtype(dtype)
+            xh = rng.integers(0, 256, int(np.prod(shape)) * dt.itemsize,
+                              dtype=np.uint8).view(dt).reshape(shape)
+            xd = cp.asarray(xh)
+            if view is not None:
+                xh, xd = xh[view], xd[view]
+            want = np.asarray(np.transpose(xh, axes), order="C")
+            if label.endswith("to_nhwc"):
+                got = [cp.asnumpy(cukern.to_nhwc(xd))]
+            else:
+                got = [cp.asnumpy(cukern.permute(xd, axes))]
+            # out=: a buffer of 0xA5 bytes whose out region holds the complement of the result
+            pad = 3 if strided else 0
+            buf = np.full((*want.shape[:-1], want.shape[-1] + pad, dt.itemsize), 0xA5, np.uint8)
+            region = (..., slice(pad, None), slice(None))
+            buf[region] = ~_elem_bytes(want)
+            bd = cp.asarray(buf.reshape(-1)).view(dt).reshape(buf.shape[:-1])
+            if not label.endswith("to_nhwc"):
+                cukern.permute(xd, axes, out=bd[..., pad:])
+                back = _elem_bytes(cp.asnumpy(bd))
+                if (back[..., :pad, :] != 0xA5).any():
+                    raise AssertionError("out= wrote outside its elements")
+                got.append(back[..., pad:, :].view(dt)[..., 0])
+            wrong = 0
+            for g in got:
+                if g.shape != want.shape or g.dtype != want.dtype:
+                    raise AssertionError(f"got {g.dtype} {g.shape}, expected {want.dtype} "
+                                         f"{want.shape}")
+                wrong = max(wrong, int((_elem_bytes(g) != _elem_bytes(want)).any(-1).sum()))
+            row["error"] = wrong / max(want.size, 1)
+            row["ok"] = wrong == 0
+        except Exception as err:  # a failure to compile or launch is a FAIL row
+            first = str(err).splitlines()[0] if str(err) else ""
+            row.update(ok=False, note=f"{type(err).__name__}: {first}")
+        yield row
 
 
 def _data(rng, op, shape, dtype, axis):
