@@ -253,8 +253,12 @@ def test_benchmark_shapes_run_wide_tiles(shape, itemsize):
         p = plan(sh, axes_, itemsize)
         assert p.kind == "tile" and p.index == 32, (sh, p)
         ti, to = p.tile
-        # 16-byte loads and stores wherever a flat run or aligned rows allow them
-        assert p.vec_in * itemsize == 16 and p.vec_out * itemsize == 16, (sh, p)
+        # 16-byte loads and stores wherever a flat run or aligned rows allow them; output rows
+        # of 196 or 49 elements (14x14, 7x7 planes past perm_flat_out_max_bytes) store the
+        # widest word their length allows
+        assert p.vec_in * itemsize == 16, (sh, p)
+        row_bytes = p.o_dim.size * itemsize
+        assert p.vec_out * itemsize == (16 if p.flat_out else math.gcd(16, row_bytes)), (sh, p)
         assert p.smem <= HOPPER.perm_tile_max_bytes and p.block[0] <= 256
         # skinny dims are held whole as flat runs: no tile is mostly empty
         busy = min(p.i_dim.size, ti) * min(p.o_dim.size, to) / (ti * to)

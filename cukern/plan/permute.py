@@ -284,7 +284,8 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     cap = tuning.perm_tile_max_bytes
     short = tuning.perm_flat_max_bytes
     fin = (o.in_stride == si and si * elem <= short and (vi_row < vi_flat or si * elem < 32))
-    fout = (i.out_stride == so and so * elem <= short and (vo_row < vo_flat or so * elem < 32))
+    fout = (i.out_stride == so and so * elem <= tuning.perm_flat_out_max_bytes
+            and (vo_row < vo_flat or so * elem < 32))
     if fin and fout and si * so * elem > cap:
         fin, fout = (True, False) if si <= so else (False, True)
     ti = si if fin else min(ti0, _p2ceil(si))
