@@ -284,7 +284,10 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     cap = tuning.perm_tile_max_bytes
     short = tuning.perm_flat_max_bytes
     fin = (o.in_stride == si and si * elem <= short and (vi_row < vi_flat or si * elem < 32))
-    fout = (i.out_stride == so and so * elem <= tuning.perm_flat_out_max_bytes
+    # a long flat output run only where rows would store words under 8 bytes (2-byte and
+    # wider elements): its phase 2 gathers element by element
+    long_ok = so * elem <= tuning.perm_flat_out_max_bytes or (elem > 1 and vo_row * elem < 8)
+    fout = (i.out_stride == so and so * elem <= short and long_ok
             and (vo_row < vo_flat or so * elem < 32))
     if fin and fout and si * so * elem > cap:
         fin, fout = (True, False) if si <= so else (False, True)

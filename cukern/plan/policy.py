@@ -159,10 +159,12 @@ class Tuning:
     # a short dim (at most this many bytes) whose tile rows join into one run of memory is
     # held whole and moved as that flat run (HW = 49, 196; C = 3): at least 16 rows beside it
     perm_flat_max_bytes: int = 2048
-    # ... on the output side at most this many: a flat output run is gathered element by
-    # element from shared memory. fp16 (64, 14, 14, 1024) NHWC->NCHW (196-element runs) 53.6%
-    # of copy flat, 65% as rows; (256, 14, 14, 1024) 59.2 -> 65.5; int8 45.4 -> 54.1. (The
-    # input side stays flat to 2048: (64, 1024, 14, 14) NCHW->NHWC 90.8% flat, 71% as rows)
+    # ... on the output side at most this many, unless rows would store words under 8 bytes
+    # (2-byte and wider elements): a flat output run is gathered element by element from
+    # shared memory. fp16 (64, 14, 14, 1024) NHWC->NCHW (196-element runs) 53.6% of copy
+    # flat, 65% as rows of 8-byte stores; (256, 14, 14, 1024) 59.2 -> 65.5; int8 45.4 -> 54.1
+    # (4-byte stores); but fp32 (256, 7, 7, 2048) 95.7% flat, 61.6% as rows of 4-byte stores.
+    # (The input side stays flat to 2048: (64, 1024, 14, 14) NCHW->NHWC 90.8% flat, 71% rows)
     perm_flat_out_max_bytes: int = 128
     # waves of resident blocks a grid at most (both kernels loop over their tiles; up to
     # there a block takes one tile and the block scheduler balances them)
