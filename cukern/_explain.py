@@ -54,8 +54,11 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
     device id (the driver's occupancy for the compiled kernels), or None: the current GPU when
     one is visible, else ``DeviceSpec.h100()``. ``weight``, ``bias``, ``residual``: whether the
     call passes them (the norms; ``rms_norm`` takes no bias, the backwards only a weight): they
-    choose the kernel too. ``print(plan)`` shows it readably.
+    choose the kernel too. ``print(plan)`` shows it readably. ``op`` is a name of
+    ``cukern.registry.OPS`` (``"layer_norm"``) or its command-line spelling (``"layer-norm"``).
     """
+    if isinstance(op, str):
+        op = op.replace("-", "_")
     if op not in registry.OPS:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {sorted(registry.OPS)}")
     if registry.OPS[op].family == "permute":

@@ -4,13 +4,17 @@
 - describing an array as a (rows, cols) view (:class:`RowView`);
 - planning with the driver's occupancy for the compiled candidate kernels;
 - :class:`Launch`: a planned, compiled kernel with its fixed arguments, what the ops cache per
-  layout, launched on the array's device and CuPy's current stream.
+  layout (in a :class:`BoundedDict`), launched on the array's device and CuPy's current stream;
+- :func:`check_eps`: the norms' eps, checked against the kernels' compute type.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
+import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +41,30 @@ if _bf16 is not None:
     DTYPE_NAMES[np.dtype(_bf16)] = "bfloat16"
 
 _KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_ROCM = 2, 13, 10
+
+CACHE_SIZE = 4096  # entries of each plan and launch cache (BoundedDict)
+
+
+class BoundedDict(dict):
+    """A dict of at most ``maxsize`` entries, for caches keyed by shapes and strides: an insert
+    into a full one first drops its older half (in insertion order; storing a key again makes
+    it the newest). Lookups are plain dict lookups, so a cache hit costs what it did in a dict;
+    eviction falls on misses, which plan anyway. Only ``d[key] = value`` evicts."""
+
+    __slots__ = ("maxsize",)
+
+    def __init__(self, maxsize: int = CACHE_SIZE):
+        super().__init__()
+        if maxsize < 1:
+            raise ValueError(f"BoundedDict: maxsize must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+
+    def __setitem__(self, key, value) -> None:
+        self.pop(key, None)
+        if len(self) >= self.maxsize:
+            for old in list(itertools.islice(self, len(self) - self.maxsize // 2)):
+                self.pop(old, None)
+        dict.__setitem__(self, key, value)
 
 
 class Adapted:
@@ -98,6 +126,31 @@ def dtype_name(fn: str, arg: str, a) -> str:
         raise TypeError(
             f"{fn}: {arg} has dtype {a.dtype}; expected float16, bfloat16, float32 or float64")
     return name
+
+
+# The normal range (smallest, largest) of each compute type: a smaller eps is 0 or subnormal
+# there (1e-50 is 0 in float32: NaN on constant rows), a larger one inf.
+EPS_RANGE = {name: (float(np.finfo(name).tiny), float(np.finfo(name).max))
+              for name in ("float32", "float64")}
+
+
+def check_eps(fn: str, eps, dtype: str) -> float:
+    """``eps`` as a float: a real number, finite, > 0 and normal in the compute type of
+    ``dtype`` data (float64 for float64, else float32), where the kernels add it."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{fn}: eps must be a real number, got {type(eps).__name__}")
+    e = float(eps)
+    if not math.isfinite(e) or e <= 0:
+        raise ValueError(f"{fn}: eps must be finite and > 0, got {e}")
+    compute = "float64" if dtype == "float64" else "float32"
+    tiny, top = EPS_RANGE[compute]
+    if e < tiny:
+        raise ValueError(f"{fn}: eps={e} underflows {compute}, the compute type of {dtype} "
+                         f"data (its smallest normal number is {tiny:g})")
+    if e > top:
+        raise ValueError(f"{fn}: eps={e} overflows {compute}, the compute type of {dtype} "
+                         f"data (its largest number is {top:g})")
+    return e
 
 
 def normalize_axis(fn: str, axis, ndim: int) -> int:

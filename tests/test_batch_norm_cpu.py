@@ -621,6 +621,52 @@ def test_host_arrays_are_refused():
         cukern.batch_norm_backward(x, x, None, None)
 
 
+def test_counts_past_32_bits_are_refused():
+    """C * B is checked in packs, and C and B in elements: both are 32-bit kernel arguments."""
+    for shape, what in (((2, 2**31 + 8), "C = 2147483656 channels"),
+                        ((2, 2, 2**31 + 8), "C = 2 channels of planes of B = 2147483656 elements")):
+        with pytest.raises(ValueError, match=f"plan: batch_norm: {what}"):
+            cukern.explain("batch_norm", shape, "float16", device=H100)
+    assert cukern.explain("batch_norm", (2, 2**31 - 1), "float16", device=H100).view.channels \
+        == 2**31 - 1
+
+
+def test_eps_the_fast_path_takes():
+    """The fast path skips the checks only for eps that runner.check_eps accepts for every
+    dtype; 1e-50 (0 in float32) or 0 always meets the full checks."""
+    from cukern.ops import batch_norm as bn
+
+    def key(eps):
+        return bn._fresh_key(None, None, None, None, None, None, 1, True, False, False, 0.1, eps)
+
+    for eps in (1e-50, 1e-40, 0.0, -1e-5, float("nan"), float("inf"), 1e39):
+        assert key(eps) is None, eps
+
+
+def test_view_cache_is_bounded():
+    from cukern.ops import batch_norm as bn
+
+    for n in range(1, 100_001):  # 100,000 distinct batch sizes
+        assert bn._view_of((n, 8, 7, 7), (784, 98, 14, 2), 2, 1) == (n, 8, 49)
+    info = bn._view_of.cache_info()
+    assert info.maxsize is not None and info.currsize <= info.maxsize
+
+
+@pytest.mark.gpu
+def test_gpu_eps_underflowing_float32_is_refused():
+    import cupy as cp
+
+    x = cp.ones((4, 3, 2, 2), cp.float16)
+    rm, rv = cp.zeros(3, cp.float32), cp.ones(3, cp.float32)
+    cukern.batch_norm(x, rm, rv, eps=1e-5)  # the fast path's entry for this layout
+    for _ in range(2):
+        with pytest.raises(ValueError, match="batch_norm: eps=1e-50 underflows float32"):
+            cukern.batch_norm(x, rm, rv, eps=1e-50)
+    x64 = cp.ones((4, 3), cp.float64)
+    y = cukern.batch_norm(x64, cp.zeros(3), cp.ones(3), eps=1e-50)  # a normal float64
+    assert bool(cp.isfinite(y).all())
+
+
 # ---------------------------------------------------------------------------------------------
 # A GPU smoke check of the kernels' edges (skips without a GPU; the full GPU suite is
 # tests/test_batch_norm_gpu.py): pack widths 1..8, planes and columns, mask tails, in-place

@@ -709,6 +709,50 @@ def test_norm_gpu_pipeline_sums_param_grads(tmp_path, norm_files, fake_gpu):
     np.testing.assert_allclose(g["dbias"], db, rtol=1e-6)
 
 
+@needs_norms
+@pytest.mark.parametrize("command", ["layer-norm", "rms-norm", "batch-norm"])
+def test_eps_is_checked_as_the_op_checks_it(tmp_path, norm_files, command):
+    """--eps meets the op's own check, with its message and exit 2, on the CPU path as on the
+    GPU's: 0, negative, NaN, infinite, and values that float32 (the compute type of float16
+    and float32 data) rounds to 0 or a subnormal number, or overflows."""
+    from cukern import runner
+
+    op = command.replace("-", "_")
+    extra = ["--train"] if command == "batch-norm" else []
+    out = tmp_path / "y.npy"
+    for eps in ("0", "-1", "nan", "inf", "1e-50", "1e-40", "1e39"):
+        with pytest.raises(ValueError) as err:
+            runner.check_eps(op, float(eps), "float32")
+        for device in ("cpu", "gpu"):
+            line = fails(command, norm_files["x"], "-o", out, "--eps", eps, "--device", device,
+                         *extra, code=2, says=str(err.value))
+            assert line == f"Error: {err.value}"
+    assert leftovers(tmp_path) == [] and not out.exists()
+    # float64 data: computed in float64, where 1e-300 is a normal number
+    run(command, norm_files["x"], "-o", out, "--eps", "1e-300", "--dtype", "float64",
+        "--device", "cpu", *extra)
+
+
+def test_rows_past_the_kernels_limit(tmp_path, fake_gpu, monkeypatch):
+    """A row longer than the GPU kernels take (MAX_COLS = 2^31 - 4096 values) is refused up
+    front with exit 2 on the GPU path; the NumPy reference on the CPU takes any length."""
+    from cukern.plan import MAX_COLS
+
+    path = tmp_path / "long.npy"
+    np.lib.format.open_memmap(path, "w+", np.float16, (1, MAX_COLS + 1))  # sparse: no data
+    monkeypatch.setattr(_io, "check_outputs", lambda *a, **k: None)  # no 4 GB of disk needed
+    out = tmp_path / "y.npy"
+    fails("softmax", path, "-o", out, code=2,
+          says=f"{path} along axis 1 has rows of {MAX_COLS + 1} values; the GPU kernels take "
+               f"at most {MAX_COLS} (2^31 - 4096); --device cpu runs the NumPy reference")
+    fails("rms-norm", path, "-o", out, code=2,
+          says=f"{path} over the normalized shape {MAX_COLS + 1} has rows of {MAX_COLS + 1} "
+               f"values")
+    assert not out.exists()
+    cli._check_row(0, MAX_COLS, "x.npy")
+    cli._check_row("cpu", 2**40, "x.npy")
+
+
 def test_norm_commands_say_when_the_op_is_missing(tmp_path, norm_files, monkeypatch):
     monkeypatch.delattr(reference, "layer_norm", raising=False)
     fails("layer-norm", norm_files["x"], "-o", tmp_path / "y.npy", "--device", "cpu", code=1,
@@ -734,6 +778,10 @@ def test_explain_without_gpu():
 
 def test_explain_errors():
     fails("explain", "softmx", "--shape", "4x4", code=2, says="unknown op 'softmx'")
+    fails("explain", "softmax", "--shape", "1x2147483648", code=2,
+          says="plan: softmax over rows of 2147483648 columns; at most 2147479552")
+    fails("explain", "layer-norm-backward", "--shape", "2x2147479553", "--weight", code=2,
+          says="plan: layer_norm_backward over rows of 2147479553 columns; at most 2147479552")
     fails("explain", "softmax", "--shape", "4xq", code=2, says="--shape 4xq")
     fails("explain", "softmax", "--shape", "0x4", code=2, says="is empty")
     fails("explain", "softmax", "--shape", "4x4", "--axis", "2", code=2, says="out of range")

@@ -912,14 +912,47 @@ def test_normalized_shape_validation():
 
 
 def test_eps_validation():
-    assert ln._eps("f", 1e-5) == 1e-5
-    assert ln._eps("f", np.float32(1e-3)) == pytest.approx(1e-3)
+    """Every op that takes eps checks it with runner.check_eps: a real number, finite, > 0 and
+    normal in the kernels' compute type (float32 for 16-bit data), so it never rounds to 0."""
+    check = runner.check_eps
+    assert check("f", 1e-5, "float16") == 1e-5
+    assert check("f", np.float32(1e-3), "float32") == pytest.approx(1e-3)
+    assert check("f", 1e-300, "float64") == 1e-300
+    tiny = float(np.finfo(np.float32).tiny)
+    assert check("f", tiny, "bfloat16") == tiny
     for bad in (0.0, -1e-5, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="eps"):
-            ln._eps("f", bad)
+        with pytest.raises(ValueError, match="f: eps must be finite and > 0"):
+            check("f", bad, "float32")
+    for dtype in ("float16", "bfloat16", "float32"):
+        for bad in (1e-50, 1e-40, tiny / 2):  # zero, or subnormal, in float32
+            with pytest.raises(ValueError, match=f"f: eps={bad} underflows float32, the "
+                                                 f"compute type of {dtype} data"):
+                check("f", bad, dtype)
+        with pytest.raises(ValueError, match=r"f: eps=1e\+39 overflows float32"):
+            check("f", 1e39, dtype)
+    with pytest.raises(ValueError, match="f: eps=1e-320 underflows float64"):
+        check("f", 1e-320, "float64")
     for bad in ("1e-5", None, True, 1j):
         with pytest.raises(TypeError, match="eps"):
-            ln._eps("f", bad)
+            check("f", bad, "float32")
+
+
+@pytest.mark.parametrize("op", NORM_OPS)
+def test_longest_row(op):
+    """Rows of up to MAX_COLS = 2^31 - 4096 values are planned, longer ones refused by the
+    planner, so by explain (the ops refuse them before they allocate: the GPU tests)."""
+    longest = planner.MAX_COLS
+    sw = WEIGHT if op in BWD else Switches()
+    for dtype in ("float16", "float32"):
+        p = plan_rowwise(op, 3, longest, dtype, H100, align_elems=1, switches=sw)
+        assert p.variant is Variant.BLOCK_UNCACHED and p.block[0] <= 1024
+        assert longest // p.pack_size - 1 + 4 * 1024 <= 2**31 - 1  # the furthest pack index
+    for cols in (longest + 1, 2**31 - 1, 2**31):
+        says = rf"plan: {op} over rows of {cols} columns; at most 2147479552 \(2\^31 - 4096\)"
+        with pytest.raises(ValueError, match=says):
+            plan_rowwise(op, 3, cols, "float16", H100, switches=sw)
+        with pytest.raises(ValueError, match=says):
+            cukern.explain(op, (3, cols), "float16", device=H100, weight=op in BWD)
 
 
 def test_trailing_layout():

@@ -13,7 +13,7 @@ import cukern
 from cukern import reference, runner
 from cukern.families import norm
 from cukern.ops import layer_norm as ln_mod
-from cukern.plan import CLUSTER_SIZES, Switches, Variant, max_dynamic_smem
+from cukern.plan import CLUSTER_SIZES, MAX_COLS, Switches, Variant, max_dynamic_smem
 from cukern.registry import policy
 
 from .conftest import DTYPES, TOL, col_sums_expected
@@ -888,6 +888,15 @@ def test_bad_input_is_named():
             cukern.layer_norm(x, 8, eps=eps)
     with pytest.raises(TypeError, match="eps"):
         cukern.rms_norm(x, 8, eps="1e-6")
+    for op in (cukern.layer_norm, cukern.rms_norm):  # 1e-50 is 0 in float32: var + eps = var
+        op(x, 8, eps=1e-5)
+        with pytest.raises(ValueError, match="eps=1e-50 underflows float32, the compute type "
+                                             "of float32 data"):
+            op(x, 8, eps=1e-50)
+        with pytest.raises(ValueError, match="eps=1e-40 underflows float32, the compute type "
+                                             "of float16 data"):
+            op(x.astype(cp.float16), 8, eps=1e-40)
+    assert bool(cp.isfinite(cukern.rms_norm(x.astype(cp.float64), 8, eps=1e-50)[0]).all())
     with pytest.raises(ValueError, match="residual has shape"):
         cukern.layer_norm(x, 8, residual=cp.ones((4, 9), cp.float32))
     with pytest.raises(TypeError, match="residual has dtype"):
@@ -919,6 +928,52 @@ def test_bad_input_is_named():
     x64 = cp.ones((4, 8), cp.float64)
     with pytest.raises(TypeError, match="expected float64"):
         cukern.rms_norm_backward(x64, x64, rstd)
+
+
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_rows_past_the_longest_are_refused(op):
+    """Normalised shapes of more than MAX_COLS = 2^31 - 4096 values are refused before
+    anything is allocated (zero-stride views: no memory)."""
+    pool = cp.get_default_memory_pool()
+    one = cp.zeros((1, 1), cp.float16)
+    stat = cp.ones(2, cp.float32)
+    for ns in ((MAX_COLS + 1,), (2**31 - 1,), (2**31,), (2**16, 2**15)):
+        x = cp.broadcast_to(one.reshape((1,) * (len(ns) + 1)), (2, *ns))
+        used = pool.used_bytes()
+        cols = math.prod(ns)
+        with pytest.raises(ValueError, match=rf"{op}: .*{cols} elements; at most 2147479552"):
+            if op == "layer_norm_backward":
+                cukern.layer_norm_backward(x, x, stat, stat)
+            elif op == "rms_norm_backward":
+                cukern.rms_norm_backward(x, x, stat)
+            else:
+                getattr(cukern, op)(x, ns)
+        assert pool.used_bytes() == used
+
+
+def test_longest_row():
+    """One row of MAX_COLS = 2^31 - 4096 float16 values, the longest the kernels take, read in
+    single-element packs (a view one element off alignment), so that the kernels' 32-bit pack
+    indices go furthest: -1 and 1 in turn, so mean 0, variance 1 and y = x in float16.
+    About 11 GB of GPU memory; leave it out with -k "not longest_row"."""
+    free, _ = cp.cuda.runtime.memGetInfo()
+    if free < (16 << 30):
+        pytest.skip(f"needs about 16 GB of free GPU memory, {free >> 30} GB free")
+    n = MAX_COLS
+    x = cp.empty((1, n + 1), cp.float16)[:, 1:]
+    x[0, 0::2] = -1
+    x[0, 1::2] = 1
+    y, mean, rstd = cukern.layer_norm(x, n, return_stats=True)
+    plan = ln_mod.last_plan("layer_norm")
+    assert (plan.variant, plan.pack_size, plan.cols) == (Variant.BLOCK_UNCACHED, 1, n)
+    assert int(cp.count_nonzero(y != x)) == 0
+    assert abs(float(mean[0])) <= 1e-5  # float32 merges of 1024 threads' statistics
+    assert float(rstd[0]) == pytest.approx(1 / math.sqrt(1 + 1e-5), rel=1e-5)
+    del y
+    y, rstd = cukern.rms_norm(x, n, return_stats=True)
+    assert ln_mod.last_plan("rms_norm").pack_size == 1
+    assert int(cp.count_nonzero(y != x)) == 0
+    assert float(rstd[0]) == pytest.approx(1 / math.sqrt(1 + 1e-6), rel=1e-6)
 
 
 def test_arrays_on_different_devices():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -9,6 +13,7 @@ import cukern
 from cukern import _compile, reference, registry, runner
 from cukern import plan as planner
 from cukern._device import DeviceSpec
+from cukern.ops import softmax as softmax_ops
 from cukern.plan import HOPPER, Variant, plan_rowwise
 
 from .conftest import nvrtc_results
@@ -234,6 +239,39 @@ def test_explain_axes_and_errors():
         cukern.explain("softmax", (4, 4), "float32", device="h100")
 
 
+def test_explain_takes_the_command_line_spelling():
+    shapes = {"softmax": (8, 1000), "norm": (8, 1000), "batch_norm": (4, 8, 7, 7),
+              "permute": (4, 8, 3)}
+    for op, spec in registry.OPS.items():
+        plan = cukern.explain(spec.cli_name, shapes[spec.family], "float16", device=H100)
+        assert str(plan) == str(cukern.explain(op, shapes[spec.family], "float16", device=H100))
+    with pytest.raises(ValueError, match="unknown op 'layer_nrom'"):
+        cukern.explain("layer-nrom", (4, 4), "float32", device=H100)
+
+
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_longest_row(op):
+    """Rows of up to MAX_COLS = 2^31 - 4096 columns are planned, longer ones refused (by the
+    planner, so by explain too): the kernels count a row's columns and packs in 32-bit ints,
+    and a block's loops step up to 4 x blockDim.x packs past the row's end."""
+    longest = planner.MAX_COLS
+    assert longest == 2**31 - 4096
+    for dtype, align in itertools.product(("float16", "float32", "float64"), (1, 16)):
+        p = plan_rowwise(op, 1, longest, dtype, H100, align_elems=align)
+        assert p.variant is Variant.BLOCK_UNCACHED and p.block[0] <= 1024
+        assert longest // p.pack_size - 1 + 4 * 1024 <= 2**31 - 1  # the furthest pack index
+    p = cukern.explain(op, (longest, 3), "float32", axis=0, device=H100)
+    assert (p.cols, p.strided) == (longest, True)
+    for cols in (longest + 1, 2**31 - 1, 2**31, 2**40):
+        says = rf"plan: {op} over rows of {cols} columns; at most 2147479552 \(2\^31 - 4096\)"
+        with pytest.raises(ValueError, match=says):
+            plan_rowwise(op, 1, cols, "float16", H100)
+        with pytest.raises(ValueError, match=says):
+            cukern.explain(op, (1, cols), "float16", device=H100)
+        with pytest.raises(ValueError, match=says):
+            cukern.explain(op, (cols, 2), "float32", axis=0, device=H100)
+
+
 def test_model_occupancy():
     assert H100.model_occupancy(128, 0) == 16
     assert H100.model_occupancy(1024, 0) == 2
@@ -341,3 +379,52 @@ def test_host_arrays_are_refused():
         cukern.softmax(np.zeros((2, 3), np.float32))
     with pytest.raises(TypeError, match="CuPy array"):
         cukern.softmax([1.0, 2.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan and launch caches: bounded.
+
+def test_bounded_dict_drops_its_older_half():
+    d = runner.BoundedDict(8)
+    for i in range(8):
+        d[i] = str(i)
+    d[3] = "three"  # stored again: now the newest
+    assert list(d) == [0, 1, 2, 4, 5, 6, 7, 3]
+    d[8] = "8"  # full: the four oldest go first
+    assert list(d) == [5, 6, 7, 3, 8]
+    assert d.get(3) == "three" and d.get(0) is None and d[8] == "8"
+    for i in range(9, 1000):
+        d[i] = str(i)
+        assert len(d) <= 8
+    assert list(d)[-1] == 999
+    one = runner.BoundedDict(1)
+    one["a"], one["b"] = 1, 2
+    assert dict(one) == {"b": 2}
+    with pytest.raises(ValueError, match="maxsize must be >= 1, got 0"):
+        runner.BoundedDict(0)
+
+
+def test_caches_stay_bounded(monkeypatch):
+    """The ops' plan and launch caches, keyed by exact shapes and strides, are BoundedDicts:
+    100,000 distinct shapes through softmax's keep it at most maxsize long. (The planner
+    itself caches nothing.)"""
+    from cukern.ops import batch_norm, layer_norm, permute
+
+    for mod in (softmax_ops, layer_norm, batch_norm, permute):
+        for name in ("_launches", "_fresh"):
+            cache = getattr(mod, name)
+            assert type(cache) is runner.BoundedDict, (mod.__name__, name)
+            assert cache.maxsize == runner.CACHE_SIZE <= 8192
+    cache = runner.BoundedDict()
+    monkeypatch.setattr(softmax_ops, "_launches", cache)
+    table = 0  # the largest the dict's own table has been
+    for rows in range(1, 100_001):
+        key = ("softmax", 0, 1, "float16", (rows, 1000), ((2000, 2),), (2000, 2), 0)
+        assert cache.get(key) is None
+        cache[key] = types.SimpleNamespace(plan=types.SimpleNamespace(rows=rows))  # a Launch
+        assert len(cache) <= cache.maxsize
+        if rows <= 2 * cache.maxsize:
+            table = max(table, sys.getsizeof(cache))
+        else:
+            assert sys.getsizeof(cache) <= table  # memory flat
+    assert softmax_ops.last_plan("softmax").rows == 100_000

@@ -10,7 +10,8 @@ import pytest
 
 import cukern
 from cukern import reference
-from cukern.plan import CLUSTER_SIZES, Variant, max_dynamic_smem
+from cukern.ops import softmax as softmax_mod
+from cukern.plan import CLUSTER_SIZES, MAX_COLS, Variant, max_dynamic_smem
 from cukern.registry import policy
 
 from .conftest import DTYPES, TOL
@@ -307,6 +308,55 @@ def test_bad_input_is_named():
         cukern.log_softmax_backward(x, cp.ones((4, 8), cp.float64))
     with pytest.raises(ValueError, match="overlap"):
         cukern.softmax(x, out=cp.broadcast_to(cp.empty((1, 8), cp.float32), (4, 8)))
+
+
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_rows_past_the_longest_are_refused(op):
+    """Rows of more than MAX_COLS = 2^31 - 4096 values are refused, along any axis, before
+    anything is allocated (zero-stride views: no memory)."""
+    pool = cp.get_default_memory_pool()
+    first = "y" if op in BWD else "x"
+    one = cp.zeros((1, 1), cp.float16)
+    for cols in (MAX_COLS + 1, 2**31 - 1, 2**31):
+        for shape, axis in (((1, cols), -1), ((cols, 2), 0)):
+            x = cp.broadcast_to(one, shape)
+            used = pool.used_bytes()
+            with pytest.raises(ValueError, match=rf"{op}: {first} has shape \({shape[0]}, "
+                                                 rf"{shape[1]}\): rows of {cols} along axis "
+                                                 rf"{axis % 2}; at most 2147479552"):
+                getattr(cukern, op)(*((x, x) if op in BWD else (x,)), axis=axis)
+            assert pool.used_bytes() == used
+
+
+def test_longest_row():
+    """One row of MAX_COLS = 2^31 - 4096 float16 values, the longest the kernels take, read in
+    single-element packs (a view one element off alignment), so that the kernels' 32-bit pack
+    indices go furthest: 30 at both ends and the middle, zeros elsewhere; outputs poisoned.
+    About 11 GB of GPU memory; leave it out with -k "not longest_row"."""
+    free, _ = cp.cuda.runtime.memGetInfo()
+    if free < (16 << 30):
+        pytest.skip(f"needs about 16 GB of free GPU memory, {free >> 30} GB free")
+    n = MAX_COLS
+    x = cp.zeros((1, n + 1), cp.float16)[:, 1:]
+    hot = (0, n // 2, n - 1)
+    for i in hot:
+        x[0, i] = 30
+    y = cp.full((1, n), cp.nan, cp.float16)
+    cukern.softmax(x, out=y)
+    plan = softmax_mod.last_plan("softmax")
+    assert (plan.variant, plan.pack_size, plan.cols) == (Variant.BLOCK_UNCACHED, 1, n)
+    assert int(cp.count_nonzero(y)) == 3  # exp(-30) / 3 is 0 in float16; no NaN left
+    np.testing.assert_allclose(cp.asnumpy(y[0, list(hot)]).astype(np.float64), 1 / 3,
+                               rtol=1e-3)
+    y.fill(cp.nan)
+    cukern.log_softmax(x, out=y)
+    assert softmax_mod.last_plan("log_softmax").pack_size == 1
+    lse = 30 + np.log(3 + (n - 3) * np.exp(-30.0))
+    np.testing.assert_allclose(cp.asnumpy(y[0, list(hot)]).astype(np.float64), 30 - lse,
+                               atol=2e-3)
+    cold = float(y[0, 1])
+    assert abs(cold + lse) <= 0.02
+    assert int(cp.count_nonzero(y == cp.float16(cold))) == n - 3
 
 
 def test_arrays_on_different_devices():

@@ -17,6 +17,7 @@ from .._chunked import Result, as_rows
 from .._io import InputError
 from . import common
 from .common import (
+    _check_eps,
     _command,
     _device,
     _fmt,
@@ -127,8 +128,6 @@ def _batch_norm(input, output, dtype, device, chunk_rows, overwrite, quiet, para
                          f"dimensions")
     ax = axis % x.ndim
     c = x.shape[ax]
-    if not (eps > 0 and math.isfinite(eps)):
-        raise InputError(f"--eps {eps}: expected a positive, finite number")
     if momentum is not None and not train:
         raise InputError("--momentum updates running statistics, which only --train does")
     if stats is not None and not train:
@@ -162,6 +161,7 @@ def _batch_norm(input, output, dtype, device, chunk_rows, overwrite, quiet, para
         array_specs.append(addend)
         specs.append(addend)
     work = _work_dtype(dtype, x.dtype)
+    _check_eps("batch_norm", eps, work)
     stat_dtype = np.dtype(np.float64 if work == np.float64 else np.float32)
     n = x.size // c if c else 0
     if train and n < 2:

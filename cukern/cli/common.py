@@ -183,6 +183,27 @@ def _same_shape(opt: str, path: str, a: np.ndarray, ref_name: str, ref: np.ndarr
                          f"(the shape of {ref_name})")
 
 
+def _check_eps(op: str, eps: float, work: np.dtype) -> None:
+    """``--eps`` as the op ``op`` checks its eps for ``work`` data, with the op's message, on
+    the GPU and on the CPU alike."""
+    from ..runner import check_eps
+
+    try:
+        check_eps(op, eps, np.dtype(work).name)
+    except ValueError as err:
+        raise InputError(str(err)) from None
+
+
+def _check_row(device, cols: int, what: str) -> None:
+    """Rows of ``cols`` values must fit the GPU kernels (the NumPy reference takes any)."""
+    from ..plan import MAX_COLS
+
+    if device != "cpu" and cols > MAX_COLS:
+        raise InputError(f"{what} has rows of {cols} values; the GPU kernels take at most "
+                         f"{MAX_COLS} (2^31 - 4096); --device cpu runs the NumPy reference "
+                         f"instead")
+
+
 def _parse_shape(text: str, opt: str) -> tuple[int, ...]:
     parts = [t for t in text.replace(",", "x").replace("*", "x").lower().split("x")]
     try:

@@ -23,6 +23,8 @@ from .._io import InputError, RunError
 from . import common
 from .common import (
     DTYPES,
+    _check_eps,
+    _check_row,
     _command,
     _device,
     _fmt,
@@ -145,6 +147,7 @@ def softmax_cmd(input, output, dtype, device, chunk_rows, overwrite, quiet, axis
     _io.check_outputs({"-o": (out, _io.npy_bytes(x.shape, work))},
                       [_spec_path(s) for s in specs], overwrite=overwrite)
     dev = _device(device)
+    _check_row(dev, m, f"{input} along axis {ax}")
     f = common._require(dev, op, "softmax" if grad is None else "softmax --grad")
     if dev == "cpu":
         def fn(*tiles):
@@ -263,6 +266,7 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, normal
         raise InputError("--param-grads needs --weight: the gradients are the weight's "
                          "(and the bias's)")
     work = _work_dtype(dtype, x.dtype)
+    _check_eps(op, eps, work)
     stat_dtype = np.dtype(np.float64 if work == np.float64 else np.float32)
     p, m = math.prod(lead), math.prod(nshape)
     if m == 0:
@@ -298,6 +302,7 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, normal
     _io.check_outputs(targets, [_spec_path(s) for s in specs], overwrite=overwrite)
 
     dev = _device(device)
+    _check_row(dev, m, f"{input} over the normalized shape {_fmt(nshape)}")
     fwd = common._require(dev, op, command)
     bwd = common._require(dev, f"{op}_backward", f"{command} --grad") if backward else None
     params = [None if a is None else np.asarray(a).astype(work).reshape(m) for a in (w, b)]

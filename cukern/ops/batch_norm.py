@@ -4,7 +4,6 @@ a fused add and ReLU (and its 1-bit mask), the backward, and per-channel batch s
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 
 import numpy as np
@@ -17,10 +16,13 @@ __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "last_plan"]
 
 _NULL = np.uint64(0)  # a null pointer argument
 _SOURCE = "batch_norm"
-_launches: dict[tuple, _Launches] = {}
+_launches: dict[tuple, _Launches] = c.BoundedDict()
 # The fast path: a CuPy call whose arrays' layouts and scalars' types the full path validated
 # and planned before (_fresh_key) -> its launches.
-_fresh: dict[tuple, _Forward] = {}
+_fresh: dict[tuple, _Forward] = c.BoundedDict()
+# eps the fast path takes as it is: what c.check_eps accepts for every dtype (float32's normal
+# range); any other goes through the full checks
+_EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 _last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
@@ -59,7 +61,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     training : bool
         Batch statistics (True) or the running statistics (False).
     momentum : float in [0, 1]
-    eps : float, finite and > 0
+    eps : float, finite, > 0 and a normal number of the compute type (at least 1.2e-38 in
+        float32)
     axis : int
         The channel axis (default 1; negative counts from the end).
     addend : array, optional
@@ -91,8 +94,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     ValueError
         Training with one value per channel (n == 1), eval without running statistics, a
         parameter of the wrong length, an addend of another shape or layout, momentum outside
-        [0, 1], eps <= 0 or not finite, an axis out of range, rank < 2, out overlapping an
-        input.
+        [0, 1], eps <= 0, not finite or underflowing the compute type, an axis out of range,
+        rank < 2, out overlapping an input.
     TypeError
         Host (NumPy) or integer arrays, parameters of another dtype.
     """
@@ -113,7 +116,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     relu = _flag(fn, "relu", relu)
     return_stats = _flag(fn, "return_stats", return_stats)
     momentum = _momentum(fn, momentum)
-    eps = _eps(fn, eps)
+    eps = c.check_eps(fn, eps, dtype)
     nch = xa.shape[axis]
     allowed = _param_dtypes(dtype)
     rm = _vector(fn, "running_mean", running_mean, xa, nch, allowed)
@@ -461,7 +464,7 @@ def _fresh_key(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum,
     and the addend's alignment."""
     if not (type(axis) is int and type(training) is bool and type(relu) is bool
             and type(return_stats) is bool and type(momentum) is float
-            and type(eps) is float and 0.0 <= momentum <= 1.0 and 0.0 < eps < math.inf):
+            and type(eps) is float and 0.0 <= momentum <= 1.0 and _EPS_LO <= eps <= _EPS_HI):
         return None
     zk = None
     if z is not None:
@@ -562,15 +565,6 @@ def _momentum(fn: str, momentum) -> float:
     if not 0.0 <= m <= 1.0:
         raise ValueError(f"{fn}: momentum must be in [0, 1], got {m}")
     return m
-
-
-def _eps(fn: str, eps) -> float:
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{fn}: eps must be a real number, got {type(eps).__name__}")
-    e = float(eps)
-    if not math.isfinite(e) or e <= 0:
-        raise ValueError(f"{fn}: eps must be finite and > 0, got {e}")
-    return e
 
 
 def _vector(fn: str, name: str, v, xa, nch: int, allowed: tuple):

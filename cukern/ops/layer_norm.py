@@ -4,7 +4,6 @@ DLPack) array, with optional affine parameters and a fused residual add."""
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 
@@ -15,12 +14,11 @@ from .. import runner as c
 __all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
 _NULL = np.uint64(0)  # a null pointer argument
-_INT32_MAX = 2**31 - 1
-_launches: dict[tuple, _Launches] = {}
+_launches: dict[tuple, _Launches] = c.BoundedDict()
 # Fast path: calls with CuPy arrays whose every argument (shapes, strides, dtypes, devices,
 # pointer alignment, eps, switches) matches an earlier, validated call that needed no copies
 # skip validation and planning. Key -> (launches, lead shape, statistics dtype, eps scalar).
-_fresh: dict[tuple, tuple] = {}
+_fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: dict[str, _plan.Plan] = {}  # op -> the plan of its latest call (last_plan)
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 
@@ -58,7 +56,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
     weight, bias : array of shape ``normalized_shape``, optional
         gamma and beta, of ``x``'s dtype and device. Either may be omitted.
     eps : float
-        Added to the variance; finite and > 0.
+        Added to the variance; finite, > 0 and a normal number of the compute type (at least
+        1.2e-38 in float32), so that it never rounds to 0.
     residual : array, optional
         Same shape, dtype and device as ``x``. The kernel normalises ``h = x + residual``
         (rounded to ``x``'s dtype, as a separate add would) and also returns ``h``: one read of
@@ -79,7 +78,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
     -----
     Runs on ``x``'s GPU and CuPy's current stream. The trailing dimensions must form one
     contiguous run in memory for the fast path (rows may have any stride, as in ``x[:, :k]``);
-    other layouts are copied first. An empty normalised shape product gives NaN statistics.
+    other layouts are copied first. An empty normalised shape product gives NaN statistics;
+    one past ``cukern.plan.MAX_COLS`` (2^31 - 4096) values is refused with a ValueError.
     """
     return _forward("layer_norm", x, normalized_shape, weight, bias, eps, residual, return_stats)
 
@@ -166,15 +166,6 @@ def _normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
         raise ValueError(f"{fn}: normalized_shape {ns} does not match the trailing dimensions of "
                          f"x, whose shape is {tuple(x.shape)}")
     return ns
-
-
-def _eps(fn: str, eps) -> float:
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{fn}: eps must be a real number, got {type(eps).__name__}")
-    eps = float(eps)
-    if not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"{fn}: eps must be finite and > 0, got {eps}")
-    return eps
 
 
 def _param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
@@ -290,7 +281,7 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
     xa = ax.array
     dtype = c.dtype_name(op, "x", xa)
     ns = _normalized_shape(op, normalized_shape, xa)
-    eps = _eps(op, eps)
+    eps = c.check_eps(op, eps, dtype)
     w = None if weight is None else _param(op, "weight", weight, xa, ns)
     b = None if bias is None else _param(op, "bias", bias, xa, ns)
     r = None
@@ -300,9 +291,10 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
     k = len(ns)
     lead = tuple(xa.shape[:xa.ndim - k])
     rows, cols = math.prod(lead), math.prod(ns)
-    if cols > _INT32_MAX:
+    if cols > _plan.MAX_COLS:
         raise ValueError(f"{op}: normalized_shape {ns} has {cols} elements; at most "
-                         f"{_INT32_MAX} are supported")
+                         f"{_plan.MAX_COLS} (2^31 - 4096) are supported (the kernels' 32-bit "
+                         f"column index)")
     layer = op == "layer_norm"
     sdt = _stat_dtype(dtype)
     dev = xa.data.device_id
@@ -409,9 +401,10 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
     lead = tuple(xa.shape[:xa.ndim - k])
     stats = {n: _check_stat(op, n, s, xa, lead, dtype) for n, s in stats}
     rows, cols = math.prod(lead), math.prod(ns)
-    if cols > _INT32_MAX:
+    if cols > _plan.MAX_COLS:
         raise ValueError(f"{op}: the normalised dimensions {ns} have {cols} elements; at most "
-                         f"{_INT32_MAX} are supported")
+                         f"{_plan.MAX_COLS} (2^31 - 4096) are supported (the kernels' 32-bit "
+                         f"column index)")
     dev = xa.data.device_id
     with c.on_device(dev):
         dx = c.cp.empty(xa.shape, xa.dtype)

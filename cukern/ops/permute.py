@@ -12,10 +12,10 @@ from ..plan.permute import check_dtype
 __all__ = ["permute", "to_nhwc", "to_nchw", "plan_for", "run_plan", "last_plan",
            "check_dtype", "nhwc_axes", "nchw_axes"]
 
-_launches: dict[tuple, _Launch] = {}
+_launches: dict[tuple, _Launch] = c.BoundedDict()
 # The fast path: (shape, strides, dtype, axes, pointer alignment, device) of a CuPy input
 # already validated and planned with a fresh C-contiguous output -> (Launch, output shape).
-_fresh: dict[tuple, tuple] = {}
+_fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: list = [None]  # the plan of the latest launch
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None

@@ -9,10 +9,10 @@ from .. import runner as c
 
 __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]
 
-_launches: dict[tuple, c.Launch] = {}
+_launches: dict[tuple, c.Launch] = c.BoundedDict()
 # The fast path: (op, axis, shape, strides, dtype, pointer alignment, device) of a CuPy input
 # already validated and planned with a fresh C-contiguous output -> its Launch.
-_fresh: dict[tuple, c.Launch] = {}
+_fresh: dict[tuple, c.Launch] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 
@@ -44,7 +44,8 @@ def softmax(x, axis: int = -1, *, out=None):
     the fast path. Another axis, or columns that are not adjacent in memory, is read in place
     with single-element accesses: correct, but without vector loads it moves memory in 32-byte
     sectors for 2- to 8-byte elements, so expect a few times the time of the last axis. Views
-    whose other dimensions cannot be described by one stride each are copied first.
+    whose other dimensions cannot be described by one stride each are copied first. ``axis``
+    may have at most ``cukern.plan.MAX_COLS`` (2^31 - 4096) elements (ValueError past it).
     """
     if out is None and type(x) is _ndarray and type(axis) is int:
         y = _fast("softmax", x, axis)
@@ -101,6 +102,10 @@ def _run(op: str, names: tuple, inputs: tuple, axis, out):
     for n, a in zip(names[1:], arrays[1:]):
         c.check_same(op, names[0], first, n, a)
     ax = c.normalize_axis(op, axis, first.ndim)
+    if first.ndim and first.shape[ax] > _plan.MAX_COLS:
+        raise ValueError(f"{op}: {names[0]} has shape {tuple(first.shape)}: rows of "
+                         f"{first.shape[ax]} along axis {ax}; at most {_plan.MAX_COLS} "
+                         f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
     o = c.output(op, adapted[0], out)
     if out is not None:
         c.check_aliasing(op, arrays, o)

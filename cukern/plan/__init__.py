@@ -28,13 +28,13 @@ from .common import (
 )
 from .permute import PermutePlan, plan_permute, simplify
 from .policy import AMPERE, HOPPER, OpPolicy, Tuning, tuning_for
-from .rowwise import plan_rowwise, reachable_plans
+from .rowwise import MAX_COLS, plan_rowwise, reachable_plans
 
 # Hopper's table entries most callers ask for by name
 CLUSTER_SIZES = HOPPER.cluster_sizes
 
-__all__ = ["AMPERE", "CLUSTER_SIZES", "CPP_TYPES", "HOPPER", "ITEMSIZE", "Occupancy", "OpPolicy",
-           "ParamGradPlan", "PermutePlan", "Plan", "Switches", "Tuning", "Variant",
+__all__ = ["AMPERE", "CLUSTER_SIZES", "CPP_TYPES", "HOPPER", "ITEMSIZE", "MAX_COLS", "Occupancy",
+           "OpPolicy", "ParamGradPlan", "PermutePlan", "Plan", "Switches", "Tuning", "Variant",
            "block_threads_for", "col_sums_ways", "max_dynamic_smem", "model_occupancy",
            "num_blocks", "pack_size",
            "param_reduce_shape", "plan_param_grad", "plan_permute", "plan_rowwise",

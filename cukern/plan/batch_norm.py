@@ -415,6 +415,10 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     if c * b // pack > INT32_MAX:
         raise ValueError(f"plan: {op}: one sample of C * B = {c * b} elements is past the "
                          f"kernels' 32-bit sample index")
+    if c > INT32_MAX or b > INT32_MAX:  # C * B in packs fits, but not C or B in elements
+        raise ValueError(f"plan: {op}: C = {c} channels of planes of B = {b} elements; the "
+                         f"kernels count channels and a plane's elements in 32-bit ints (at "
+                         f"most {INT32_MAX})")
     compute = _COMPUTE[dtype]
     fin = (32, tuning.bn_finalize_channels)
     fin_grid = (-(-c // fin[1]),)

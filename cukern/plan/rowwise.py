@@ -32,7 +32,11 @@ from .common import (
 )
 from .policy import OpPolicy, Tuning, tuning_for
 
-__all__ = ["plan_rowwise", "reachable_plans"]
+__all__ = ["plan_rowwise", "reachable_plans", "MAX_COLS"]
+
+# The longest row: the kernels count a row's columns and packs in 32-bit ints, and a block's
+# loops step up to 4 x 1024 packs past the row's end (softmax_scan, scan_packs).
+MAX_COLS = 2**31 - 4096
 
 NO_WARP = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False)
 
@@ -70,6 +74,9 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
         raise ValueError(f"plan: unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE)}")
     if rows < 1 or cols < 1:
         raise ValueError(f"plan: rows and cols must be positive, got rows={rows}, cols={cols}")
+    if cols > MAX_COLS:
+        raise ValueError(f"plan: {pol.op} over rows of {cols} columns; at most {MAX_COLS} "
+                         f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
     sw = Switches() if switches is None else switches
     if sw not in pol.switch_sets:
         raise ValueError(f"plan: {pol.op} takes switches from {[str(s) for s in pol.switch_sets]}"
