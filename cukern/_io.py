@@ -2,22 +2,29 @@
 reading them into memory, and writing outputs that appear only when complete.
 
 Inputs are memory-mapped read-only (an ``.npz`` member too when it is stored uncompressed, as
-``np.savez`` writes it; a compressed member is decompressed into memory). NumPy saves
+``np.savez`` writes it, after its size and CRC-32 are checked; a compressed member is
+decompressed into memory in chunks, after its header is checked against its size). NumPy saves
 ``ml_dtypes.bfloat16`` arrays as raw 2-byte records (``'<V2'``); those are read as bfloat16.
 
 Outputs go to a hidden temporary file beside the target (``.OUT.npy.XXXX.part``), with the disk
 space reserved up front, and are renamed into place by :meth:`Outputs.commit`; until then the
 target is untouched, and :meth:`Outputs.discard` (or leaving the ``with`` block on an error)
-removes every temporary file.
+removes every temporary file. :func:`check_outputs` mentions ``.part`` files it finds that a
+killed run left behind.
 """
 
 from __future__ import annotations
 
 import errno
+import glob
+import math
 import os
 import shutil
+import stat
+import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +34,7 @@ __all__ = ["InputError", "RunError", "open_array", "float_dtype", "data_dtype", 
 
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_CHUNK = 1 << 24  # bytes read at a time when checking or decompressing an .npz member
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 DATA_NAMES = ("bool, int8..int64, uint8..uint64, float16, bfloat16, float32, float64, complex64 "
               "or complex128")
@@ -126,21 +134,30 @@ def _read_header(f, what: str):
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
         else:
             raise ValueError(f"format version {version[0]}.{version[1]}")
-    except ValueError as err:
+    except (ValueError, EOFError) as err:
         raise InputError(f"{what} is not a readable .npy array ({err})") from None
-    return tuple(shape), bool(fortran), dtype, f.tell()
+    shape = tuple(shape)
+    if any(n < 0 for n in shape):
+        raise InputError(f"{what} is not a readable .npy array (its header gives the negative "
+                         f"shape {shape})")
+    if dtype.itemsize * math.prod(shape) >= 2**63:
+        raise InputError(f"{what} is not a readable .npy array (its header gives the shape "
+                         f"{shape}, more data than any file can hold)")
+    return shape, bool(fortran), dtype, f.tell()
 
 
-def _map_npy(path: Path, start: int, what: str, check=float_dtype) -> np.ndarray:
-    """Memory-map the .npy image that begins ``start`` bytes into ``path``; ``check(stored,
-    what)`` gives the dtype the data is read as (or refuses it)."""
+def _map_npy(path: Path, start: int, what: str, check=float_dtype,
+             end: int | None = None) -> np.ndarray:
+    """Memory-map the .npy image that begins ``start`` bytes into ``path`` and ends at ``end``
+    (the end of the file by default); ``check(stored, what)`` gives the dtype the data is read
+    as (or refuses it)."""
     with open(path, "rb") as f:
         f.seek(start)
         shape, fortran, stored, header_end = _read_header(f, what)
     dtype = check(stored, what)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     need = header_end + count * stored.itemsize
-    have = path.stat().st_size
+    have = path.stat().st_size if end is None else end
     if have < need:
         raise InputError(f"{what} is truncated: its header promises {need - header_end} bytes "
                          f"of data, the file holds {max(have - header_end, 0)}")
@@ -176,20 +193,73 @@ def _open_member(path: Path, key: str | None, what: str, check=float_dtype) -> n
         info = members[key]
         label = f"{path}:{key}"
         if info.compress_type == zipfile.ZIP_STORED:
-            with open(path, "rb") as f:
-                f.seek(info.header_offset)
-                local = f.read(30)
-            start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + \
-                int.from_bytes(local[28:30], "little")
-            return _map_npy(path, start, label, check)
-        with zf.open(info) as f:  # compressed: the member must be read into memory
-            shape, fortran, stored, _ = _read_header(f, label)
-            dtype = check(stored, label)
-            data = np.frombuffer(f.read(), dtype=stored)
-    count = int(np.prod(shape, dtype=np.int64))
-    if data.size < count:
-        raise InputError(f"{label} is truncated")
-    return _as_float(data[:count].reshape(shape, order="F" if fortran else "C"), stored, dtype)
+            return _map_stored(path, info, label, check)
+        return _read_compressed(zf, info, label, check)
+
+
+def _map_stored(path: Path, info: zipfile.ZipInfo, what: str, check) -> np.ndarray:
+    """Memory-map a stored member, bounded by its own size in the archive, after checking its
+    CRC-32 (read in chunks: the member is never held in memory whole)."""
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise InputError(f"{what} is damaged (its local zip header is missing)")
+    start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + \
+        int.from_bytes(local[28:30], "little")
+    end = start + info.file_size
+    if info.compress_size != info.file_size or end > path.stat().st_size:
+        raise InputError(f"{what} is truncated: the archive lists {info.file_size} bytes for "
+                         f"it, the file holds {max(path.stat().st_size - start, 0)}")
+    arr = _map_npy(path, start, what, check, end)
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = info.file_size
+        while left:
+            block = f.read(min(left, _CHUNK))
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+    if left or crc != info.CRC:
+        raise InputError(f"{what} is damaged: its CRC-32 does not match the archive's")
+    return arr
+
+
+def _read_compressed(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str,
+                     check) -> np.ndarray:
+    """Decompress a member into memory in chunks, after checking that the size its .npy header
+    declares fits in the member's uncompressed size (zipfile checks the CRC at the end)."""
+    with zf.open(info) as f:
+        shape, fortran, stored, header_end = _read_header(f, what)
+        dtype = check(stored, what)
+        count = math.prod(shape)
+        nbytes = count * stored.itemsize
+        if header_end + nbytes > info.file_size:
+            raise InputError(f"{what} is truncated: its header promises {nbytes} bytes of "
+                             f"data, the member holds {max(info.file_size - header_end, 0)}")
+        avail = _available_memory()
+        if avail is not None and nbytes > avail // 2:
+            raise RunError(f"{what} is compressed and too large ({_size(nbytes)}) to "
+                           f"decompress in memory; save it with np.savez (uncompressed)")
+        data = np.empty(count, stored)
+        view = memoryview(data.view(np.uint8).reshape(-1))
+        done = 0
+        try:
+            while done < nbytes:
+                got = f.readinto(view[done:done + _CHUNK])
+                if not got:
+                    break
+                done += got
+            while f.read(_CHUNK):  # the rest, so that zipfile checks the CRC
+                pass
+        except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+            raise InputError(f"{what} is damaged ({err})") from None
+    if done < nbytes:
+        raise InputError(f"{what} is truncated: its header promises {nbytes} bytes of data, "
+                         f"the member holds {done}")
+    return _as_float(data.reshape(shape, order="F" if fortran else "C"), stored, dtype)
 
 
 def c_order(a: np.ndarray, what: str) -> np.ndarray:
@@ -242,6 +312,8 @@ def check_outputs(targets: dict[str, tuple[Path, int]], inputs: list[Path], *,
             raise InputError(f"{opt} {path} exists; pass --overwrite to replace it")
         if not os.access(path.parent, os.W_OK):
             raise RunError(f"{opt} {path}: folder {path.parent} is not writable")
+    for _, (path, _) in targets.items():
+        _mention_stale_parts(path)
     need: dict[int, tuple[Path, int, list[str]]] = {}
     for path, nbytes in targets.values():
         dev = path.parent.stat().st_dev
@@ -252,6 +324,14 @@ def check_outputs(targets: dict[str, tuple[Path, int]], inputs: list[Path], *,
         if total > free:
             raise RunError(f"not enough disk space for {', '.join(names)}: needs "
                            f"{_size(total)}, {folder} has {_size(free)} free")
+
+
+def _mention_stale_parts(target: Path) -> None:
+    """A note on stderr for each hidden ``.part`` file of ``target`` found beside it: one that
+    a killed run (SIGKILL, power loss) could not remove."""
+    for part in sorted(target.parent.glob(glob.escape(f".{target.name}.") + "*.part")):
+        sys.stderr.write(f"Note: {part} is left from an earlier run that did not finish; "
+                         f"remove it unless a cukern run is writing {target} now\n")
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -294,9 +374,13 @@ class Outputs:
         os.close(fd)
         tmp = Path(name)
         self._temps.append(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        try:  # --overwrite keeps the replaced file's permissions
+            mode = stat.S_IMODE(target.stat().st_mode)
+        except OSError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         return tmp
 
     def npy(self, target: Path, shape, dtype) -> np.ndarray:

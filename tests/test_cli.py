@@ -295,15 +295,19 @@ def test_failure_mid_run_leaves_nothing(tmp_path, x, monkeypatch):
 def test_interrupt_leaves_nothing(tmp_path, x, monkeypatch):
     _fail_on_call(monkeypatch, 3, KeyboardInterrupt())
     out = tmp_path / "y.npy"
-    result = run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", code=1)
+    result = run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", code=130)
     assert "Aborted" in result.stderr
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-def test_sigterm_leaves_nothing(tmp_path, rng):
-    """A real process killed with SIGTERM mid-run cleans up its temporary output."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_sigterm_leaves_nothing(tmp_path, rng, signame):
+    """A real process stopped by SIGTERM, SIGHUP or SIGINT mid-run cleans up its temporary
+    output and exits 128 + the signal number (130 for Ctrl-C)."""
     import signal
     import time
+
+    signum = getattr(signal, signame)
 
     x = save(tmp_path / "x.npy", rng.standard_normal((40_000, 1000)).astype(np.float16))
     out = tmp_path / "y.npy"
@@ -315,11 +319,20 @@ def test_sigterm_leaves_nothing(tmp_path, rng):
     while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert leftovers(tmp_path), "the run finished before it could be interrupted"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_stale_part_files_are_mentioned(tmp_path, x):
+    stale = tmp_path / ".y.npy.abc123.part"  # what a killed run leaves
+    stale.write_bytes(b"\0" * 10)
+    result = run("softmax", x, "-o", tmp_path / "y.npy", "--device", "cpu")
+    assert f"Note: {stale} is left from an earlier run" in result.stderr
+    assert stale.exists()  # it may belong to a run still going: mentioned, not removed
+    assert "Note:" not in run("softmax", x, "-o", tmp_path / "z.npy", "--device", "cpu").stderr
 
 
 def test_failed_overwrite_keeps_the_old_output(tmp_path, x, monkeypatch):
@@ -339,6 +352,9 @@ def test_overwrite(tmp_path, x):
     run("softmax", x, "-o", out, "--device", "cpu", "--log", "--overwrite")
     assert bits(np.load(out)) == bits(reference.log_softmax(np.load(x)).astype(np.float32))
     assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()
+    out.chmod(0o600)  # --overwrite keeps the replaced file's permissions
+    run("softmax", x, "-o", out, "--device", "cpu", "--overwrite")
+    assert (out.stat().st_mode & 0o777) == 0o600
 
 
 def _umask() -> int:
@@ -412,6 +428,78 @@ def test_input_errors(tmp_path, rng, x):
     assert leftovers(d) == [] and not (d / "out.npy").exists()
 
 
+def _npy_bytes(shape, data: bytes, descr: str = "<f4") -> bytes:
+    """An .npy image whose header gives ``shape``, followed by ``data`` whatever its size."""
+    import io
+
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": descr, "fortran_order": False,
+                                             "shape": shape})
+    return f.getvalue() + data
+
+
+@pytest.mark.parametrize("shape, says", [((-1, 4), "negative shape (-1, 4)"),
+                                         ((2**40, 2**40), "more data than any file can hold")])
+def test_malformed_npy_shapes(tmp_path, shape, says):
+    (tmp_path / "bad.npy").write_bytes(_npy_bytes(shape, b"\0" * 64))
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "bad.npz", "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("a.npy", _npy_bytes(shape, b"\0" * 64))
+    for spec in (tmp_path / "bad.npy", f"{tmp_path}/bad.npz:a"):
+        fails("softmax", spec, "-o", tmp_path / "y.npy", "--device", "cpu", code=2, says=says)
+    assert leftovers(tmp_path) == []
+
+
+def test_compressed_member_is_checked_before_it_is_read(tmp_path, monkeypatch):
+    """A compressed member's header is checked against the member's size before decompressing,
+    and the data is read in bounded pieces, never whole."""
+    import zipfile
+
+    big = tmp_path / "big.npz"  # a 4x4 array followed by 64 MB of zeros (a 64 KB archive)
+    with zipfile.ZipFile(big, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("a.npy", _npy_bytes((4, 4), np.ones(16, "<f4").tobytes() + bytes(1 << 26)))
+    short = tmp_path / "short.npz"  # a header promising 4 MB, 64 bytes of data
+    with zipfile.ZipFile(short, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("a.npy", _npy_bytes((1000, 1000), bytes(64)))
+    reads = []
+    real_read = zipfile.ZipExtFile.read
+
+    def read(self, n=-1):
+        reads.append(n)
+        return real_read(self, n)
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", read)
+    a = _io.open_array(f"{big}:a")
+    assert a.shape == (4, 4) and (a == 1).all()
+    assert reads and all(n is not None and 0 <= n <= _io._CHUNK for n in reads), reads
+    reads.clear()
+    fails("softmax", f"{short}:a", "-o", tmp_path / "y.npy", "--device", "cpu", code=2,
+          says="short.npz:a is truncated: its header promises 4000000 bytes of data, the "
+               "member holds 64")
+    assert sum(max(n, 0) for n in reads) < 1000  # refused after reading the header only
+
+
+def test_stored_member_is_bounded_and_checked(tmp_path, rng):
+    """A stored member is never read past its own end, and its CRC-32 is checked."""
+    import zipfile
+
+    over = tmp_path / "over.npz"  # a promises 4x4 but holds 2 values; b follows it
+    with zipfile.ZipFile(over, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("a.npy", _npy_bytes((4, 4), np.ones(2, "<f4").tobytes()))
+        zf.writestr("b.npy", _npy_bytes((4, 4), np.ones(16, "<f4").tobytes()))
+    fails("softmax", f"{over}:a", "-o", tmp_path / "y.npy", "--device", "cpu", code=2,
+          says="over.npz:a is truncated: its header promises 64 bytes of data")
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, a=rng.standard_normal((8, 8)).astype(np.float32))
+    raw = bytearray(bad.read_bytes())
+    raw[raw.index(b"\n", raw.index(b"}")) + 10] ^= 0xFF  # one byte of the data
+    bad.write_bytes(bytes(raw))
+    fails("softmax", f"{bad}:a", "-o", tmp_path / "y.npy", "--device", "cpu", code=2,
+          says="bad.npz:a is damaged: its CRC-32 does not match")
+    assert not (tmp_path / "y.npy").exists() and leftovers(tmp_path) == []
+
+
 def test_no_gpu(tmp_path, x, monkeypatch):
     monkeypatch.setattr(cli, "_gpu_problem", lambda dev=0: "no CUDA GPU visible (test)")
     fails("softmax", x, "-o", tmp_path / "y.npy", code=1,
@@ -448,11 +536,17 @@ def test_debug_shows_the_exception(tmp_path, x, monkeypatch):
     quiet = run("softmax", x, "-o", tmp_path / "a.npy", "--device", "cpu", code=1)
     assert "Traceback" not in quiet.stderr and "--debug" in quiet.stderr
     for args in (["--debug", "softmax", x], ["softmax", x, "--debug"]):
-        result = _runner().invoke(app, [str(a) for a in args] +
-                                  ["-o", str(tmp_path / "b.npy"), "--device", "cpu"])
-        assert isinstance(result.exception, RuntimeError)
-        assert str(result.exception) == "deep failure"
+        result = run(*args, "-o", tmp_path / "b.npy", "--device", "cpu", code=1)
+        assert "Traceback" in result.stderr and "RuntimeError: deep failure" in result.stderr
     assert leftovers(tmp_path) == []
+
+
+def test_debug_keeps_the_exit_status(tmp_path, x):
+    """--debug adds the traceback; an input error still exits 2."""
+    for args in (["--debug", "softmax"], ["softmax", "--debug"]):
+        result = run(*args, tmp_path / "missing.npy", "-o", tmp_path / "b.npy", "--device", "cpu",
+                     code=2)
+        assert "Traceback" in result.stderr and "missing.npy: no such file" in result.stderr
 
 
 # ------------------------------------------------------------------------------------------

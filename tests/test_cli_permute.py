@@ -334,7 +334,7 @@ def test_interrupt_leaves_nothing(tmp_path, rng, monkeypatch):
     _fail_on_call(monkeypatch, 2, KeyboardInterrupt())
     out = tmp_path / "y.npy"
     result = run("permute", x, "-o", out, "--axes", "0,2,1", "--device", "cpu",
-                 "--chunk-rows", "2", code=1)
+                 "--chunk-rows", "2", code=130)
     assert "Aborted" in result.stderr
     assert not out.exists() and leftovers(tmp_path) == []
 

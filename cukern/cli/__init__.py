@@ -7,7 +7,8 @@ the op list from :mod:`cukern.registry`. What they share, the error policy inclu
 :mod:`cukern.cli.common`.
 
 Errors are one line on stderr and exit status 2 (the files or arguments are wrong) or 1 (the
-machine cannot do it); ``--debug`` shows the traceback.
+machine cannot do it); ``--debug`` shows the traceback too, with the same exit status. Ctrl-C
+exits with status 130; SIGTERM and SIGHUP with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -57,15 +58,19 @@ for _cmd in (softmax_cmd, layer_norm_cmd, rms_norm_cmd, batch_norm_cmd, permute_
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``cukern`` console script. SIGTERM ends a run like Ctrl-C does:
-    through the cleanup that removes its unfinished output files."""
+    """Entry point of the ``cukern`` console script. SIGTERM and SIGHUP end a run like Ctrl-C
+    does: through the cleanup that removes its unfinished output files (exit 128 + signal)."""
     import signal
 
     def terminate(signum, frame):
         raise SystemExit(128 + signum)
 
-    try:
-        signal.signal(signal.SIGTERM, terminate)
-    except ValueError:  # not the main thread: leave signals alone
-        pass
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is None:  # no SIGHUP on Windows
+            continue
+        try:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(signum, terminate)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
     app.main(args=argv, prog_name="cukern")

@@ -2,7 +2,8 @@
 
 A command registered with :func:`_command` reports :class:`~cukern._io.InputError` as exit
 status 2 and :class:`~cukern._io.RunError` or any other failure as exit status 1, each as one
-``Error: ...`` line on stderr; ``--debug`` lets the traceback through instead.
+``Error: ...`` line on stderr; ``--debug`` prints the traceback before it, with the same exit
+status. Ctrl-C exits with status 130.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -48,19 +50,19 @@ def _command(name: str):
             debug = debug or bool((ctx.find_root().obj or {}).get("debug"))
             try:
                 return fn(*args, **kwargs)
-            except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            except (click.exceptions.Exit, click.ClickException, click.Abort):
                 raise
+            except KeyboardInterrupt:  # the outputs are already removed; 130 as shells report
+                click.echo("Aborted!", err=True)
+                raise click.exceptions.Exit(130) from None
             except InputError as err:
-                if debug:
-                    raise
+                _traceback(debug)
                 raise _Fail(str(err), 2) from None
             except RunError as err:
-                if debug:
-                    raise
+                _traceback(debug)
                 raise _Fail(str(err), 1) from None
             except Exception as err:
-                if debug:
-                    raise
+                _traceback(debug)
                 raise _Fail(_describe(err), 1) from None
 
         cmd = click.command(name, context_settings=HELP)(run_it)
@@ -69,6 +71,13 @@ def _command(name: str):
         return cmd
 
     return wrap
+
+
+def _traceback(debug: bool) -> None:
+    """With ``--debug``, the traceback of the error being handled on stderr (the exit status
+    stays the same)."""
+    if debug:
+        click.echo(traceback.format_exc().rstrip(), err=True)
 
 
 def _describe(err: BaseException) -> str:
