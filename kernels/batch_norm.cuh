@@ -351,6 +351,26 @@ __device__ __forceinline__ void tree_over_rows(S* sm, int per_row, int row, int 
   __syncthreads();
 }
 
+// The columns kernels' end: the block's PACK-channel states (in shared memory, a row of threads
+// each) folded over its rows; row 0 finishes its channels where the split is the whole channel
+// (S == 1: no merge launch) or stores the split's partial states for the merge kernel.
+template <int PACK, typename St, typename Finish>
+__device__ __forceinline__ void cols_finish_or_store(St* sm, St* part, int S, int s, int cp,
+                                                     bool valid, const Finish& finish) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  tree_over_rows(sm, blockDim.x, ty, tx, PACK);
+  if (ty == 0 && valid) {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      if (S == 1) {
+        finish(cp * PACK + k, sm[tx * PACK + k]);
+      } else {
+        part[static_cast<i64>(cp * PACK + k) * S + s] = sm[tx * PACK + k];
+      }
+    }
+  }
+}
+
 }  // namespace bn
 
 // ---------------------------------------------------------------------------------------------
@@ -464,18 +484,8 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   bn::Stats<C>* sm = dynamic_smem<bn::Stats<C>>();
 #pragma unroll
   for (int k = 0; k < PACK; ++k) sm[(ty * blockDim.x + tx) * PACK + k] = acc[k].stats(n);
-  bn::tree_over_rows(sm, blockDim.x, ty, tx, PACK);
-  if (ty == 0 && valid) {
-    const bn::Finish<C> finish{CUKERN_BN_FINISH_ARGS};
-#pragma unroll
-    for (int k = 0; k < PACK; ++k) {
-      if (S == 1) {  // the whole channel: finish it here, no merge launch
-        finish(cp * PACK + k, sm[tx * PACK + k]);
-      } else {
-        part[static_cast<i64>(cp * PACK + k) * S + s] = sm[tx * PACK + k];
-      }
-    }
-  }
+  bn::cols_finish_or_store<PACK>(sm, part, S, s, cp, valid,
+                                 bn::Finish<C>{CUKERN_BN_FINISH_ARGS});
 }
 
 // Per channel (a warp or a block each: bn::Merger; blockDim (32, Y)): training merges the S
@@ -688,18 +698,8 @@ __global__ void __launch_bounds__(kBnReduceThreads, 3)
 #pragma unroll
   for (int k = 0; k < PACK; ++k)
     sm[(ty * blockDim.x + tx) * PACK + k] = bn::GradSums<C>{{sg[k], sgx[k]}};
-  bn::tree_over_rows(sm, blockDim.x, ty, tx, PACK);
-  if (ty == 0 && valid) {
-    const bn::GradFinish<C> finish{CUKERN_BN_GRAD_FINISH_ARGS};
-#pragma unroll
-    for (int k = 0; k < PACK; ++k) {
-      if (S == 1) {  // the whole channel: finish it here, no merge launch
-        finish(cp * PACK + k, sm[tx * PACK + k]);
-      } else {
-        part[static_cast<i64>(cp * PACK + k) * S + s] = sm[tx * PACK + k];
-      }
-    }
-  }
+  bn::cols_finish_or_store<PACK>(sm, part, S, s, cp, valid,
+                                 bn::GradFinish<C>{CUKERN_BN_GRAD_FINISH_ARGS});
 }
 
 // Per channel (a warp or a block each: bn::Merger): the S partial sums merged in a fixed order,

@@ -498,6 +498,28 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
   }
 }
 
+// The cached backward's two steps on a pack: keep the pair (y, dy) in shared memory slot i and
+// add its grad terms to s; write dx of the pair held in slot i (row sum s).
+template <int ALGO, int PACK, typename T, typename C>
+__device__ __forceinline__ void grad_cache_pair(Pack<T, PACK>* cache_y, Pack<T, PACK>* cache_dy,
+                                                int i, const Pack<T, PACK>& a,
+                                                const Pack<T, PACK>& b, C& s) {
+  cache_y[i].word = a.word;
+  cache_dy[i].word = b.word;
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) s += grad_term<ALGO>(pack_value(a, k), pack_value(b, k));
+}
+template <int ALGO, int PACK, bool HOLD, typename T, typename C, bool STRIDED>
+__device__ __forceinline__ void grad_store_pair(const Store<C, T, STRIDED>& sr,
+                                                const Pack<T, PACK>* cache_y,
+                                                const Pack<T, PACK>* cache_dy, int i, int p, C s) {
+  const Pack<T, PACK> a = cache_y[i], b = cache_dy[i];
+  C out[PACK];
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) out[k] = grad_out<ALGO, T>(pack_value(a, k), pack_value(b, k), s);
+  store_pack<PACK, HOLD>(sr, p, out);
+}
+
 // Pass 1 for one row of the backward: y and dy packs [p0, p1) into shared memory; returns this
 // thread's part of the row sum of grad_term.
 template <int ALGO, int PACK, typename T, typename C, bool STRIDED>
@@ -520,21 +542,13 @@ __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      cache_y[p - p0 + u * stride].word = a[u].word;
-      cache_dy[p - p0 + u * stride].word = b[u].word;
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) {
-        s += grad_term<ALGO>(pack_value(a[u], i), pack_value(b[u], i));
-      }
+      grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0 + u * stride, a[u], b[u], s);
     }
   }
   for (; p < p1; p += stride) {
     const Pack<T, PACK> a = pack_at<PACK, kGradHold<T>>(ly, p);
     const Pack<T, PACK> b = pack_at<PACK, kGradHold<T>>(ldy, p);
-    cache_y[p - p0].word = a.word;
-    cache_dy[p - p0].word = b.word;
-#pragma unroll
-    for (int i = 0; i < PACK; ++i) s += grad_term<ALGO>(pack_value(a, i), pack_value(b, i));
+    grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0, a, b, s);
   }
   return s;
 }
@@ -575,23 +589,13 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const P a = cache_y[p - p0 + u * stride], b = cache_dy[p - p0 + u * stride];
-        C out[PACK];
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) {
-          out[i] = grad_out<ALGO, T>(pack_value(a, i), pack_value(b, i), s);
-        }
-        store_pack<PACK, kGradHold<T>>(sr, p + u * stride, out);
+        grad_store_pair<ALGO, PACK, kGradHold<T>>(sr, cache_y, cache_dy, p - p0 + u * stride,
+                                                  p + u * stride, s);
       }
       if (more) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          cache_y[p - p0 + u * stride].word = na[u].word;
-          cache_dy[p - p0 + u * stride].word = nb[u].word;
-#pragma unroll
-          for (int i = 0; i < PACK; ++i) {
-            s_next += grad_term<ALGO>(pack_value(na[u], i), pack_value(nb[u], i));
-          }
+          grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0 + u * stride, na[u], nb[u], s_next);
         }
       }
     }
@@ -601,21 +605,8 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
         na = pack_at<PACK, kGradHold<T>>(ny, p);
         nb = pack_at<PACK, kGradHold<T>>(ndy, p);
       }
-      const P a = cache_y[p - p0], b = cache_dy[p - p0];
-      C out[PACK];
-#pragma unroll
-      for (int i = 0; i < PACK; ++i) {
-        out[i] = grad_out<ALGO, T>(pack_value(a, i), pack_value(b, i), s);
-      }
-      store_pack<PACK, kGradHold<T>>(sr, p, out);
-      if (more) {
-        cache_y[p - p0].word = na.word;
-        cache_dy[p - p0].word = nb.word;
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) {
-          s_next += grad_term<ALGO>(pack_value(na, i), pack_value(nb, i));
-        }
-      }
+      grad_store_pair<ALGO, PACK, kGradHold<T>>(sr, cache_y, cache_dy, p - p0, p, s);
+      if (more) grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0, na, nb, s_next);
     }
     if (!more) {
       reduce.finish();  // after the stores: no block exits while a peer reads its state
