@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
 
 from . import _compile, _device
 from . import plan as _plan
+from ._capture import capture_safe, scratch  # noqa: F401  (the ops' capture safety)
 
 try:
     from ml_dtypes import bfloat16 as _bf16
@@ -79,14 +80,17 @@ class Adapted:
     def wrap(self, result):
         if self.kind == "cupy":
             return result
+        # the exchange orders the result's GPU's streams: make that GPU current for it
         if self.kind == "torch":
             import torch
 
-            return torch.from_dlpack(result)
+            with on_device(result.data.device_id):
+                return torch.from_dlpack(result)
         if self.kind == "jax":
             import jax.numpy as jnp
 
-            return jnp.from_dlpack(result)
+            with on_device(result.data.device_id):
+                return jnp.from_dlpack(result)
         return result
 
 
@@ -96,8 +100,10 @@ def _require_cupy(fn: str) -> None:
             f"{fn}: CuPy is not installed; install cukern[cuda12] or cukern[cuda13]")
 
 
-def adapt(fn: str, arg: str, x) -> Adapted:
-    """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe)."""
+def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
+    """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe).
+    ``out``: the array is to be written (a JAX array is refused: JAX arrays are immutable). A
+    PyTorch tensor that requires grad is refused with a TypeError naming ``arg``."""
     _require_cupy(fn)
     if isinstance(x, cp.ndarray):
         return Adapted(x, "cupy")
@@ -110,14 +116,35 @@ def adapt(fn: str, arg: str, x) -> Adapted:
         raise TypeError(
             f"{fn}: {arg} must be a CuPy array or a GPU array with __dlpack__, got "
             f"{type(x).__module__}.{type(x).__qualname__}")
-    dev_type, _ = x.__dlpack_device__()
+    module = type(x).__module__.split(".")[0]
+    kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
+    if kind == "jax" and out:
+        raise TypeError(f"{fn}: {arg} is a JAX array; JAX arrays are immutable, so cukern "
+                        f"cannot write into one: leave out= unset and use the returned array")
+    if kind == "torch" and getattr(x, "requires_grad", False):
+        raise TypeError(
+            f"{fn}: {arg} is a PyTorch tensor that requires grad; cukern.{fn} records no "
+            f"autograd history: use cukern.torch (autograd through cukern's backward kernels) "
+            f"or pass {arg}.detach()")
+    dev_type, dev_id = x.__dlpack_device__()
     if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
         raise TypeError(
             f"{fn}: {arg} lives on DLPack device type {int(dev_type)}, not a CUDA GPU; move it "
             f"to the GPU first")
-    module = type(x).__module__.split(".")[0]
-    kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
-    return Adapted(cp.from_dlpack(x), kind)
+    with on_device(int(dev_id)):  # the exchange orders the array's GPU's current streams
+        return Adapted(cp.from_dlpack(x), kind)
+
+
+def handed_back(out, o):
+    """``out`` (the caller's out= array, ``o`` its CuPy view) once written: a PyTorch tensor's
+    current stream on its GPU is made to wait for the kernels CuPy's current stream ran, as
+    ``torch.from_dlpack`` does for fresh results, so that reading ``out`` on the caller's
+    stream right after the call is safe. Call it with ``o``'s device current."""
+    if type(out) is not cp.ndarray and type(out).__module__.split(".")[0] == "torch":
+        import torch
+
+        torch.from_dlpack(o)  # the exchange records the event and the wait; the view is dropped
+    return out
 
 
 def dtype_name(fn: str, arg: str, a) -> str:
@@ -176,13 +203,14 @@ def check_same(fn: str, ref_name: str, ref, arg: str, other) -> None:
 
 
 def output(fn: str, like: Adapted, out):
-    """The output array: a new C-contiguous array, or ``out`` after checking it."""
+    """The output array: a new C-contiguous array (on the current device: call it with the
+    input's device current), or ``out`` after checking it."""
     x = like.array
     if out is None:
         return cp.empty(x.shape, x.dtype)
     if like.kind == "jax":
         raise TypeError(f"{fn}: out= is not supported for JAX arrays (they are immutable)")
-    o = adapt(fn, "out", out).array
+    o = adapt(fn, "out", out, out=True).array
     check_same(fn, "the input", x, "out", o)
     if any(s == 0 and n > 1 for s, n in zip(o.strides, o.shape)):
         raise ValueError(f"{fn}: out has overlapping elements (strides {o.strides}); it must "
