@@ -23,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
 
-__all__ = ["capturing", "capture_safe", "scratch", "release_capture_memory",
+__all__ = ["capturing", "capture_safe", "keep", "release_capture_memory",
            "capture_memory_bytes"]
 
 # capturing stream pointer -> the memory (MemoryPointer or ndarray) its captured calls used
@@ -52,13 +52,15 @@ def _keep(ptr: int, mem) -> None:
         _kept.setdefault(ptr, []).append(mem)
 
 
-def scratch(shape, dtype):
-    """``cupy.empty(shape, dtype)`` for a temporary, kept alive if the current stream captures."""
-    a = cp.empty(shape, dtype)
+def keep(*arrays) -> None:
+    """Keep a call's temporaries (None skipped) alive if the current stream is capturing: one
+    check for all of them, for fast paths that allocate temporaries without
+    :func:`capture_safe`."""
     ptr = capturing()
     if ptr:
-        _keep(ptr, a)
-    return a
+        for a in arrays:
+            if a is not None:
+                _keep(ptr, a)
 
 
 def capture_safe(fn):

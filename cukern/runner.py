@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
 
 from . import _compile, _device
 from . import plan as _plan
-from ._capture import capture_safe, scratch  # noqa: F401  (the ops' capture safety)
+from ._capture import capture_safe, keep  # noqa: F401  (the ops' capture safety)
 
 try:
     from ml_dtypes import bfloat16 as _bf16

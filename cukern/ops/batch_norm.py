@@ -439,16 +439,17 @@ class _Forward:
         cdt = self.cdt
         coef = None
         if self.coef:
-            coef = c.scratch((self.nch, 4), cdt)
+            coef = c.cp.empty((self.nch, 4), cdt)
             finish = (self.count, self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
                       cdt(momentum), cdt(eps), _arg(mean), _arg(invstd), _NULL, coef)
             part = None
             if self.stats is not None:
                 if self.part_shape is not None:
-                    part = c.scratch(self.part_shape, cdt)
+                    part = c.cp.empty(self.part_shape, cdt)
                 self.stats(x, _arg(part), *self.stats_tail, *finish)
             if self.finalize is not None:
                 self.finalize(_arg(part), *self.fin_head, *finish)
+            c.keep(coef, part)  # a captured graph writes them on every replay
         self.apply(x, _arg(z), _arg(coef), y, _arg(mask), *self.apply_tail, _arg(rm), _arg(rv),
                    _arg(w), _arg(b), cdt(eps))
 

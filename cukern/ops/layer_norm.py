@@ -370,8 +370,9 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
     grad = launch.grad
     partial = None
     if grad is not None:
-        partial = c.scratch((grad.nacc, grad.prows, launch.main.plan.cols),
-                            _stat_dtype(launch.main.plan.dtype))
+        partial = c.cp.empty((grad.nacc, grad.prows, launch.main.plan.cols),
+                             _stat_dtype(launch.main.plan.dtype))
+        c.keep(partial)  # a captured graph writes it on every replay
     p0 = _arg(None if partial is None else partial[0])
     p1 = _arg(None if partial is None or not layer else partial[1])
     launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
