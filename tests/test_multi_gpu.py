@@ -69,10 +69,18 @@ def _smem_plan(op):
     return check
 
 
-def _cluster_plan(op, last_plan=sm_mod.last_plan):
+def _cluster_plan(op):
     def check():
-        plan = last_plan(op)
+        plan = sm_mod.last_plan(op)
         assert plan.cluster > 1, plan
+    return check
+
+
+def _optin_plan(op):
+    """A norm plan that needs an opt-in: over 48 KiB of shared memory, or clusters."""
+    def check():
+        plan = ln_mod.last_plan(op)
+        assert plan.smem_bytes > SMEM_48K or plan.cluster > 1, plan
     return check
 
 
@@ -131,14 +139,14 @@ CASES = [
          _cluster_plan("log_softmax_backward")),
     Case("layer_norm-smem", "float32", _norm_make(np.float32, 64, 20000),
          lambda a: cukern.layer_norm(a["x"], 20000, a["w"], a["b"], return_stats=True),
-         lambda: _assert(ln_mod.last_plan("layer_norm").smem_bytes > SMEM_48K)),
-    Case("layer_norm_backward-cluster", "float32", _norm_make(np.float32, 64, 20000), _ln_bwd,
-         _cluster_plan("layer_norm_backward", ln_mod.last_plan)),
-    Case("rms_norm-cluster", "float16", _norm_make(np.float16, 8, 262144),
+         _optin_plan("layer_norm")),
+    Case("layer_norm_backward-optin", "float32", _norm_make(np.float32, 64, 20000), _ln_bwd,
+         _optin_plan("layer_norm_backward")),
+    Case("rms_norm-optin", "float16", _norm_make(np.float16, 8, 262144),
          lambda a: cukern.rms_norm(a["x"], 262144, a["w"], return_stats=True),
-         _cluster_plan("rms_norm", ln_mod.last_plan)),
-    Case("rms_norm_backward-cluster16", "float16", _norm_make(np.float16, 8, 262144), _rms_bwd,
-         _cluster_plan("rms_norm_backward", ln_mod.last_plan)),
+         _optin_plan("rms_norm")),
+    Case("rms_norm_backward-optin", "float16", _norm_make(np.float16, 8, 262144), _rms_bwd,
+         _optin_plan("rms_norm_backward")),
     Case("layer_norm_backward-small", "float32", _norm_make(np.float32, 512, 768), _ln_bwd),
     Case("batch_norm-train", "float16", _bn_make(np.float16),
          lambda a: cukern.batch_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], training=True,
@@ -152,10 +160,6 @@ CASES = [
     Case("to_nchw", "float32", _nchw, lambda a: (cukern.to_nchw(a["x"]),)),
 ]
 CASE_PARAMS = [pytest.param(c, id=c.name) for c in CASES]
-
-
-def _assert(ok: bool) -> None:
-    assert ok
 
 
 def _close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> None:
