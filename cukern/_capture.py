@@ -69,7 +69,12 @@ def capture_safe(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        ptr = capturing()
+        try:  # capturing(), inlined: this runs on every call of an op's full path
+            ptr = _get_stream().ptr
+            if ptr and not _is_capturing(ptr):
+                ptr = 0
+        except cp.cuda.runtime.CUDARuntimeError:  # no usable GPU: the op's checks say so
+            ptr = 0
         if not ptr:
             return fn(*args, **kwargs)
         base = cp.cuda.get_allocator()
@@ -86,15 +91,16 @@ def capture_safe(fn):
 
 
 def release_capture_memory(stream=None) -> int:
-    """Drop the memory kept for calls captured on ``stream`` (a ``cupy.cuda.Stream`` or its
-    pointer; None: every stream), returning it to CuPy's pool. Call it only once no graph
+    """Drop the memory kept for calls captured on ``stream`` (a ``cupy.cuda.Stream``, a
+    ``torch.cuda.Stream`` or a stream pointer; None: every stream), returning it to CuPy's pool. Call it only once no graph
     captured there will be launched again. Returns the number of bytes released."""
     with _lock:
         if stream is None:
             items = [m for ms in _kept.values() for m in ms]
             _kept.clear()
         else:
-            ptr = stream if isinstance(stream, int) else stream.ptr
+            ptr = stream if isinstance(stream, int) else getattr(
+                stream, "ptr", None) or getattr(stream, "cuda_stream", 0)
             items = _kept.pop(ptr, [])
     return sum(_nbytes(m) for m in items)
 
