@@ -92,8 +92,9 @@ def capture_safe(fn):
 
 def release_capture_memory(stream=None) -> int:
     """Drop the memory kept for calls captured on ``stream`` (a ``cupy.cuda.Stream``, a
-    ``torch.cuda.Stream`` or a stream pointer; None: every stream), returning it to CuPy's pool. Call it only once no graph
-    captured there will be launched again. Returns the number of bytes released."""
+    ``torch.cuda.Stream`` or a stream pointer; None: every stream), returning it to CuPy's
+    pool. Call it only once no graph captured there will be launched again. Returns the
+    number of bytes released."""
     with _lock:
         if stream is None:
             items = [m for ms in _kept.values() for m in ms]
