@@ -315,16 +315,18 @@ def driver_occupancy(device_id: int):
     from cupy_backends.cuda.api import driver
 
     def occ(plan: _plan.Plan) -> int:
-        kern = kernel(plan, device_id)
-        if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
-            return 0
-        if plan.cluster > PORTABLE_CLUSTER and not _max_active_clusters(kern, plan):
-            return 0  # a cluster size this device or driver does not take
-        return driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kern.kernel.ptr, plan.threads, plan.smem_bytes)
+        with on_device(device_id):  # the kernel as loaded on, and configured for, that GPU
+            kern = kernel(plan, device_id)
+            if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
+                return 0
+            if plan.cluster > PORTABLE_CLUSTER and not _max_active_clusters(kern, plan):
+                return 0  # a cluster size this device or driver does not take
+            return driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                kern.kernel.ptr, plan.threads, plan.smem_bytes)
 
     def max_clusters(plan: _plan.Plan) -> int | None:
-        return _max_active_clusters(kernel(plan, device_id), plan)
+        with on_device(device_id):
+            return _max_active_clusters(kernel(plan, device_id), plan)
 
     occ.max_clusters = max_clusters
     return occ
@@ -374,7 +376,8 @@ _non_portable: set[int] = set()  # kernels (function handles) opted in
 def kernel(plan: _plan.Plan, device_id: int):
     """The compiled kernel of a plan, allowed all the dynamic shared memory the device has
     beside the kernel's static shared memory (set once; plans of different sizes share it),
-    and clusters past the portable size where its plan has one."""
+    and clusters past the portable size where its plan has one. CuPy keeps a kernel per
+    device and sets attributes on the current device's: call it with ``device_id`` current."""
     kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
     if plan.cluster > PORTABLE_CLUSTER and kern.kernel.ptr not in _non_portable:
         from cupy_backends.cuda.api import driver
@@ -412,6 +415,7 @@ class Launch:
     __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "tail")
 
     def __init__(self, plan: _plan.Plan, device_id: int, tail: tuple):
+        """Compiles and configures the kernel: call it with ``device_id`` current."""
         self.plan = plan
         self.device_id = device_id
         self.kernel = kernel(plan, device_id)

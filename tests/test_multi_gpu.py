@@ -228,6 +228,19 @@ class TestCupyPlacement:
             np.testing.assert_array_equal(cp.asnumpy(pout),
                                           np.transpose(cp.asnumpy(xt), (0, 2, 3, 1)))
 
+    @pytest.mark.parametrize("op,dtype,cols", [("softmax", np.float32, 20000),
+                                               ("softmax_backward", np.float16, 262144)])
+    def test_explain_for_the_other_gpu(self, op, dtype, cols):
+        """explain(device=1) with GPU 0 current asks GPU 1's driver about GPU 1's kernels."""
+        for cur in (1, 0):
+            _forget_plans()
+            with cp.cuda.Device(cur):
+                text = str(cukern.explain(op, (64, cols), dtype, device=1))
+                assert cp.cuda.runtime.getDevice() == cur
+            if cur == 1:
+                want = text
+        assert text == want
+
     def test_mixed_devices_are_refused(self, rng):
         with cp.cuda.Device(0):
             x0 = cp.asarray(_rand(rng, (16, 64), np.float32))
