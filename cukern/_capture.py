@@ -8,9 +8,9 @@ CuPy's current stream is capturing, cukern therefore keeps every allocation an o
 (through CuPy's allocator) alive until :func:`release_capture_memory` drops it: by default for
 the life of the process, as a graph may be replayed at any time.
 
-Outside a capture this costs one stream lookup and one ``cudaStreamIsCapturing`` per call of a
-path that allocates temporaries (a few hundred nanoseconds); the fast paths without
-temporaries do not check at all.
+Outside a capture this costs one stream lookup and one ``cudaStreamIsCapturing`` per call of an
+op's full (validating) path or of a fast path with temporaries (a few hundred nanoseconds); the
+fast paths without temporaries do not check at all.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -454,12 +455,13 @@ def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers
                               switches=switches)
 
 
+_SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+
+
 def on_device(device_id: int):
     """A context that makes ``device_id`` current (a no-op when it already is)."""
-    import contextlib
-
     if device_id == cp.cuda.runtime.getDevice():
-        return contextlib.nullcontext()
+        return _SAME_DEVICE
     return cp.cuda.Device(device_id)
 
 
