@@ -225,3 +225,66 @@ def test_capture_memory_is_kept_until_released(rng):
     assert cukern.release_capture_memory(stream) > 0
     assert cukern.capture_memory_bytes() == 0
     del graph
+
+
+def test_torch_graph_keeps_cukern_temporaries(rng):
+    """cukern.torch inside torch.cuda.graph (global capture mode, PyTorch's default): the
+    layer norm backward's partial sums and its results, CuPy memory, outlive the capture; the
+    same allocate-over-and-replay check on the capture stream's CuPy pool. Warmed up on the
+    capture stream first, so the capture takes blocks from CuPy's pool without cudaMalloc."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device (a CPU-only build?)")
+    import cukern.torch as ct  # registers torch.ops.cukern
+
+    cukern.release_capture_memory()
+    x = torch.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32)).cuda()
+    dy = torch.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32)).cuda()
+    w = torch.from_numpy(rng.standard_normal(1024).astype(np.float32) + 1).cuda()
+    _, mean, rstd = torch.ops.cukern.layer_norm(x, [1024], w, None, 1e-5)
+
+    def run():
+        return torch.ops.cukern.layer_norm_backward(dy, x, mean, rstd, w)
+
+    expected = [t.clone() for t in run()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # the warm-up on the capture stream: its CuPy blocks go back to that stream's pool
+    torch.cuda.synchronize()
+    base = cp.cuda.get_allocator()
+    allocs: list[tuple[int, int]] = []
+
+    def recording_malloc(size):
+        mem = base(size)
+        allocs.append((mem.ptr, size))
+        return mem
+
+    graph = torch.cuda.CUDAGraph()
+    with cp.cuda.using_allocator(recording_malloc):
+        with torch.cuda.graph(graph, stream=side):
+            res = run()
+    held = {t.data_ptr() for t in res}
+    temps = [(p, n) for p, n in allocs if p not in held]
+    assert temps, "the call made no temporaries"
+    assert cukern.capture_memory_bytes() > 0
+    with ct._cupy_stream(side.cuda_stream, torch.cuda.current_device()):  # its CuPy pool
+        sentinels = []
+        for _, n in temps:
+            s = cp.empty(n, cp.uint8)
+            s.fill(SENTINEL)
+            sentinels.append(s)
+        side.synchronize()
+    for t in res:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    try:
+        assert not [s for s in sentinels if s.data.mem.ptr in {p for p, _ in temps}]
+        for i, s in enumerate(sentinels):
+            assert int(cp.count_nonzero(s != SENTINEL)) == 0, f"sentinel {i} overwritten"
+        for got, want in zip(res, expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    finally:
+        del graph
+        cukern.release_capture_memory()
