@@ -57,12 +57,8 @@ def _poison(a) -> None:
         a.fill(-1)
 
 
-def capture_and_replay(run, tol: float):
-    """The test described in the module docstring, for ``run()`` (a call returning arrays)."""
-    cukern.release_capture_memory()
-    expected = [a.copy() for a in _flat(run())]  # eager, on the default stream: compiles
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
+def _recorder():
+    """(an allocator over the current one, the (pointer, size) of each allocation it made)."""
     base = cp.cuda.get_allocator()
     allocs: list[tuple[int, int]] = []
 
@@ -70,6 +66,37 @@ def capture_and_replay(run, tol: float):
         mem = base(size)
         allocs.append((mem.ptr, size))
         return mem
+
+    return recording_malloc, allocs
+
+
+def _sentinels(temps) -> list:
+    """Arrays of the temporaries' sizes on the current stream, filled with SENTINEL: after the
+    call, that stream's pool hands out its freed blocks first."""
+    out = []
+    for _, n in temps:
+        s = cp.empty(n, cp.uint8)
+        s.fill(SENTINEL)
+        out.append(s)
+    return out
+
+
+def _check_sentinels(sentinels, temps) -> None:
+    reused = [s for s in sentinels if s.data.mem.ptr in {p for p, _ in temps}]
+    assert not reused, (f"{len(reused)} of {len(temps)} temporaries of the captured call were "
+                        f"handed out again while its graph can still replay")
+    for i, s in enumerate(sentinels):
+        bad = int(cp.count_nonzero(s != SENTINEL))
+        assert bad == 0, f"the replay overwrote {bad} bytes of sentinel array {i}"
+
+
+def capture_and_replay(run, tol: float):
+    """The test described in the module docstring, for ``run()`` (a call returning arrays)."""
+    cukern.release_capture_memory()
+    expected = [a.copy() for a in _flat(run())]  # eager, on the default stream: compiles
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    recording_malloc, allocs = _recorder()
 
     with stream:
         stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
@@ -83,22 +110,13 @@ def capture_and_replay(run, tol: float):
         assert temps, "the call made no temporaries; this case tests nothing"
         kept = cukern.capture_memory_bytes()
         gc.collect()
-        sentinels = []
-        for _, n in temps:  # same sizes, same stream: the blocks the pool hands out first
-            s = cp.empty(n, cp.uint8)
-            s.fill(SENTINEL)
-            sentinels.append(s)
+        sentinels = _sentinels(temps)
         for a in res:
             _poison(a)
         graph.launch(stream)
         stream.synchronize()
     try:
-        reused = [s.data.ptr for s in sentinels if s.data.mem.ptr in {p for p, _ in temps}]
-        assert not reused, (f"{len(reused)} of {len(temps)} temporaries of the captured call "
-                            f"were handed out again while its graph can still replay")
-        for i, s in enumerate(sentinels):
-            bad = int(cp.count_nonzero(s != SENTINEL))
-            assert bad == 0, f"the replay overwrote {bad} bytes of sentinel array {i}"
+        _check_sentinels(sentinels, temps)
         assert len(res) == len(expected)
         for got, want in zip(res, expected):
             assert got.shape == want.shape and got.dtype == want.dtype
@@ -252,13 +270,7 @@ def test_torch_graph_keeps_cukern_temporaries(rng):
     with torch.cuda.stream(side):
         run()  # the warm-up on the capture stream: its CuPy blocks go back to that stream's pool
     torch.cuda.synchronize()
-    base = cp.cuda.get_allocator()
-    allocs: list[tuple[int, int]] = []
-
-    def recording_malloc(size):
-        mem = base(size)
-        allocs.append((mem.ptr, size))
-        return mem
+    recording_malloc, allocs = _recorder()
 
     graph = torch.cuda.CUDAGraph()
     with cp.cuda.using_allocator(recording_malloc):
@@ -269,20 +281,14 @@ def test_torch_graph_keeps_cukern_temporaries(rng):
     assert temps, "the call made no temporaries"
     assert cukern.capture_memory_bytes() > 0
     with ct._cupy_stream(side.cuda_stream, torch.cuda.current_device()):  # its CuPy pool
-        sentinels = []
-        for _, n in temps:
-            s = cp.empty(n, cp.uint8)
-            s.fill(SENTINEL)
-            sentinels.append(s)
+        sentinels = _sentinels(temps)
         side.synchronize()
     for t in res:
         t.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     try:
-        assert not [s for s in sentinels if s.data.mem.ptr in {p for p, _ in temps}]
-        for i, s in enumerate(sentinels):
-            assert int(cp.count_nonzero(s != SENTINEL)) == 0, f"sentinel {i} overwritten"
+        _check_sentinels(sentinels, temps)
         for got, want in zip(res, expected):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     finally:
