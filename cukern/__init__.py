@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from ._capture import capture_memory_bytes, release_capture_memory
 from ._device import DeviceSpec
 from ._explain import explain
 from .ops.batch_norm import batch_norm, batch_norm_backward, batch_stats
@@ -26,12 +27,14 @@ __all__ = [
     "batch_norm",
     "batch_norm_backward",
     "batch_stats",
+    "capture_memory_bytes",
     "explain",
     "layer_norm",
     "layer_norm_backward",
     "log_softmax",
     "log_softmax_backward",
     "permute",
+    "release_capture_memory",
     "rms_norm",
     "rms_norm_backward",
     "softmax",

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -26,6 +27,7 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
 
 from . import _compile, _device
 from . import plan as _plan
+from ._capture import capture_safe, keep  # noqa: F401  (the ops' capture safety)
 
 try:
     from ml_dtypes import bfloat16 as _bf16
@@ -79,14 +81,17 @@ class Adapted:
     def wrap(self, result):
         if self.kind == "cupy":
             return result
+        # the exchange orders the result's GPU's streams: make that GPU current for it
         if self.kind == "torch":
             import torch
 
-            return torch.from_dlpack(result)
+            with on_device(result.data.device_id):
+                return torch.from_dlpack(result)
         if self.kind == "jax":
             import jax.numpy as jnp
 
-            return jnp.from_dlpack(result)
+            with on_device(result.data.device_id):
+                return jnp.from_dlpack(result)
         return result
 
 
@@ -96,8 +101,10 @@ def _require_cupy(fn: str) -> None:
             f"{fn}: CuPy is not installed; install cukern[cuda12] or cukern[cuda13]")
 
 
-def adapt(fn: str, arg: str, x) -> Adapted:
-    """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe)."""
+def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
+    """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe).
+    ``out``: the array is to be written (a JAX array is refused: JAX arrays are immutable). A
+    PyTorch tensor that requires grad is refused with a TypeError naming ``arg``."""
     _require_cupy(fn)
     if isinstance(x, cp.ndarray):
         return Adapted(x, "cupy")
@@ -110,14 +117,35 @@ def adapt(fn: str, arg: str, x) -> Adapted:
         raise TypeError(
             f"{fn}: {arg} must be a CuPy array or a GPU array with __dlpack__, got "
             f"{type(x).__module__}.{type(x).__qualname__}")
-    dev_type, _ = x.__dlpack_device__()
+    module = type(x).__module__.split(".")[0]
+    kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
+    if kind == "jax" and out:
+        raise TypeError(f"{fn}: {arg} is a JAX array; JAX arrays are immutable, so cukern "
+                        f"cannot write into one: leave out= unset and use the returned array")
+    if kind == "torch" and getattr(x, "requires_grad", False):
+        raise TypeError(
+            f"{fn}: {arg} is a PyTorch tensor that requires grad; cukern.{fn} records no "
+            f"autograd history: use cukern.torch (autograd through cukern's backward kernels) "
+            f"or pass {arg}.detach()")
+    dev_type, dev_id = x.__dlpack_device__()
     if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
         raise TypeError(
             f"{fn}: {arg} lives on DLPack device type {int(dev_type)}, not a CUDA GPU; move it "
             f"to the GPU first")
-    module = type(x).__module__.split(".")[0]
-    kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
-    return Adapted(cp.from_dlpack(x), kind)
+    with on_device(int(dev_id)):  # the exchange orders the array's GPU's current streams
+        return Adapted(cp.from_dlpack(x), kind)
+
+
+def handed_back(out, o):
+    """``out`` (the caller's out= array, ``o`` its CuPy view) once written: a PyTorch tensor's
+    current stream on its GPU is made to wait for the kernels CuPy's current stream ran, as
+    ``torch.from_dlpack`` does for fresh results, so that reading ``out`` on the caller's
+    stream right after the call is safe. Call it with ``o``'s device current."""
+    if type(out) is not cp.ndarray and type(out).__module__.split(".")[0] == "torch":
+        import torch
+
+        torch.from_dlpack(o)  # the exchange records the event and the wait; the view is dropped
+    return out
 
 
 def dtype_name(fn: str, arg: str, a) -> str:
@@ -176,13 +204,14 @@ def check_same(fn: str, ref_name: str, ref, arg: str, other) -> None:
 
 
 def output(fn: str, like: Adapted, out):
-    """The output array: a new C-contiguous array, or ``out`` after checking it."""
+    """The output array: a new C-contiguous array (on the current device: call it with the
+    input's device current), or ``out`` after checking it."""
     x = like.array
     if out is None:
         return cp.empty(x.shape, x.dtype)
     if like.kind == "jax":
         raise TypeError(f"{fn}: out= is not supported for JAX arrays (they are immutable)")
-    o = adapt(fn, "out", out).array
+    o = adapt(fn, "out", out, out=True).array
     check_same(fn, "the input", x, "out", o)
     if any(s == 0 and n > 1 for s, n in zip(o.strides, o.shape)):
         raise ValueError(f"{fn}: out has overlapping elements (strides {o.strides}); it must "
@@ -287,16 +316,18 @@ def driver_occupancy(device_id: int):
     from cupy_backends.cuda.api import driver
 
     def occ(plan: _plan.Plan) -> int:
-        kern = kernel(plan, device_id)
-        if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
-            return 0
-        if plan.cluster > PORTABLE_CLUSTER and not _max_active_clusters(kern, plan):
-            return 0  # a cluster size this device or driver does not take
-        return driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kern.kernel.ptr, plan.threads, plan.smem_bytes)
+        with on_device(device_id):  # the kernel as loaded on, and configured for, that GPU
+            kern = kernel(plan, device_id)
+            if plan.smem_bytes > kern.max_dynamic_shared_size_bytes:
+                return 0
+            if plan.cluster > PORTABLE_CLUSTER and not _max_active_clusters(kern, plan):
+                return 0  # a cluster size this device or driver does not take
+            return driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                kern.kernel.ptr, plan.threads, plan.smem_bytes)
 
     def max_clusters(plan: _plan.Plan) -> int | None:
-        return _max_active_clusters(kernel(plan, device_id), plan)
+        with on_device(device_id):
+            return _max_active_clusters(kernel(plan, device_id), plan)
 
     occ.max_clusters = max_clusters
     return occ
@@ -346,7 +377,8 @@ _non_portable: set[int] = set()  # kernels (function handles) opted in
 def kernel(plan: _plan.Plan, device_id: int):
     """The compiled kernel of a plan, allowed all the dynamic shared memory the device has
     beside the kernel's static shared memory (set once; plans of different sizes share it),
-    and clusters past the portable size where its plan has one."""
+    and clusters past the portable size where its plan has one. CuPy keeps a kernel per
+    device and sets attributes on the current device's: call it with ``device_id`` current."""
     kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
     if plan.cluster > PORTABLE_CLUSTER and kern.kernel.ptr not in _non_portable:
         from cupy_backends.cuda.api import driver
@@ -384,6 +416,7 @@ class Launch:
     __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "tail")
 
     def __init__(self, plan: _plan.Plan, device_id: int, tail: tuple):
+        """Compiles and configures the kernel: call it with ``device_id`` current."""
         self.plan = plan
         self.device_id = device_id
         self.kernel = kernel(plan, device_id)
@@ -422,12 +455,13 @@ def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers
                               switches=switches)
 
 
+_SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+
+
 def on_device(device_id: int):
     """A context that makes ``device_id`` current (a no-op when it already is)."""
-    import contextlib
-
     if device_id == cp.cuda.runtime.getDevice():
-        return contextlib.nullcontext()
+        return _SAME_DEVICE
     return cp.cuda.Device(device_id)
 
 

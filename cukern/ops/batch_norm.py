@@ -106,6 +106,14 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
         if fwd is not None and fwd.device == _get_device():
             return fwd.fresh(x, running_mean, running_var, weight, bias, addend, momentum, eps,
                              return_stats)
+    return _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps,
+                       axis, addend, relu, return_stats, out)
+
+
+@c.capture_safe
+def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps, axis,
+                addend, relu, return_stats, out):
+    """batch_norm's full path: validation, planning (once per layout), launches."""
     fn = "batch_norm"
     raw_axis = axis
     ax = c.adapt(fn, "x", x)
@@ -140,7 +148,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     if out is not None:
         if ax.kind == "jax":
             raise TypeError(f"{fn}: out= is not supported for JAX arrays (they are immutable)")
-        o = c.adapt(fn, "out", out).array
+        o = c.adapt(fn, "out", out, out=True).array
         c.check_same(fn, "x", xa, "out", o)
         _check_out(fn, o, xa, [("addend", z), ("running_mean", rm), ("running_var", rv),
                                  ("weight", w), ("bias", b)])
@@ -190,15 +198,18 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
                 if rv_back:
                     rv[...] = rv_k
             _last["batch_norm"] = plan
-        if o is not None and y is not o:
-            o[...] = y
-            y = o
+        if o is not None:
+            if y is not o:
+                o[...] = y
+            y = c.handed_back(out, o)  # the caller's array, its stream ordered after ours
     wrap = ax.wrap
+    y = y if o is not None else wrap(y)
     if not return_stats:
-        return wrap(y)
-    return wrap(y), wrap(mean), wrap(invstd), (wrap(mask) if mask is not None else None)
+        return y
+    return y, wrap(mean), wrap(invstd), (wrap(mask) if mask is not None else None)
 
 
+@c.capture_safe
 def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask=None,
                         addend: bool = False, training: bool = True):
     """Gradients of :func:`batch_norm` given the gradient ``dy`` of its output.
@@ -254,7 +265,6 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     if mu is None or ist is None:
         raise ValueError(f"{fn}: mean and invstd are required (batch_norm(..., "
                          f"return_stats=True) returns them)")
-    mu, ist = c.cp.ascontiguousarray(mu), c.cp.ascontiguousarray(ist)
     w = _vector(fn, "weight", weight, xa, nch, _param_dtypes(dtype))
     m = None
     if mask is not None:
@@ -269,11 +279,12 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
         if m.data.device_id != xa.data.device_id:
             raise ValueError(f"{fn}: mask is on GPU {m.data.device_id} but x is on GPU "
                              f"{xa.data.device_id}")
-        if not m.flags.c_contiguous:
-            m = c.cp.ascontiguousarray(m)
     wdt = w.dtype if w is not None else np.dtype(sdt)
     dev = xa.data.device_id
-    with c.on_device(dev):
+    with c.on_device(dev):  # copies, outputs, plans and launches on x's GPU
+        mu, ist = c.cp.ascontiguousarray(mu), c.cp.ascontiguousarray(ist)
+        if m is not None and not m.flags.c_contiguous:
+            m = c.cp.ascontiguousarray(m)
         xw, view, copied = _working(xa, axis)
         dyw = dya if _same_strides(dya, xw) else _copy_like(dya, xw)
         dx = _empty_like(xw)
@@ -311,6 +322,7 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     return res + (wrap(da),) if addend else res
 
 
+@c.capture_safe
 def batch_stats(x, *, axis: int = 1):
     """Per-channel batch mean and biased variance of ``x`` over every axis but ``axis``::
 
@@ -437,6 +449,7 @@ class _Forward:
                 self.stats(x, _arg(part), *self.stats_tail, *finish)
             if self.finalize is not None:
                 self.finalize(_arg(part), *self.fin_head, *finish)
+            c.keep(coef, part)  # a captured graph writes them on every replay
         self.apply(x, _arg(z), _arg(coef), y, _arg(mask), *self.apply_tail, _arg(rm), _arg(rv),
                    _arg(w), _arg(b), cdt(eps))
 

@@ -180,7 +180,13 @@ def _param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
     if a.data.device_id != x.data.device_id:
         raise ValueError(f"{fn}: {name} is on GPU {a.data.device_id} but x is on GPU "
                          f"{x.data.device_id}")
-    return a if a.flags.c_contiguous else c.cp.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else _contiguous(a)
+
+
+def _contiguous(a):
+    """A C-contiguous copy of ``a``, made on ``a``'s GPU."""
+    with c.on_device(a.data.device_id):
+        return c.cp.ascontiguousarray(a)
 
 
 def _stat_dtype(dtype: str):
@@ -198,7 +204,7 @@ def _check_stat(fn: str, name: str, s, x, expected: tuple[int, ...], dtype: str)
     if s.data.device_id != x.data.device_id:
         raise ValueError(f"{fn}: {name} is on GPU {s.data.device_id} but x is on GPU "
                          f"{x.data.device_id}")
-    return s if s.flags.c_contiguous else c.cp.ascontiguousarray(s)
+    return s if s.flags.c_contiguous else _contiguous(s)
 
 
 def _rows_view(a, k: int):
@@ -275,6 +281,7 @@ def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_s
                             key)
 
 
+@c.capture_safe
 def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats,
                      fresh_key):
     ax = c.adapt(op, "x", x)
@@ -365,6 +372,7 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
     if grad is not None:
         partial = c.cp.empty((grad.nacc, grad.prows, launch.main.plan.cols),
                              _stat_dtype(launch.main.plan.dtype))
+        c.keep(partial)  # a captured graph writes it on every replay
     p0 = _arg(None if partial is None else partial[0])
     p1 = _arg(None if partial is None or not layer else partial[1])
     launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
@@ -374,6 +382,7 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
         launch.reduce(partial, dw, _arg(db))
 
 
+@c.capture_safe
 def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
     layer = op == "layer_norm_backward"
     ax = c.adapt(op, "x", x)

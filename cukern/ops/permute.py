@@ -161,13 +161,14 @@ def _validate(fn: str, x, axes, out):
         raise ValueError(f"{fn}: x has {xa.ndim} dimensions (shape {tuple(xa.shape)}); at most "
                          f"{pp.MAX_DIMS} are supported")
     axes = pp.normalize_axes(axes, xa.ndim, fn)
-    if any(s % xa.itemsize for s in xa.strides):  # a reinterpreted view: copy it
-        xa = c.cp.ascontiguousarray(xa)
+    if any(s % xa.itemsize for s in xa.strides):  # a reinterpreted view: copy it (on its GPU)
+        with c.on_device(xa.data.device_id):
+            xa = c.cp.ascontiguousarray(xa)
     o = None
     if out is not None:
         if ax.kind == "jax":
             raise TypeError(f"{fn}: out= is not supported for JAX arrays (they are immutable)")
-        o = c.adapt(fn, "out", out).array
+        o = c.adapt(fn, "out", out, out=True).array
         check_out(fn, xa, axes, o)
     return xa, axes, o, ax
 
@@ -195,6 +196,7 @@ def check_out(fn: str, xa, axes, o) -> None:
                          f"separate array")
 
 
+@c.capture_safe
 def _run(fn: str, x, axes, out):
     given = tuple(axes) if type(axes) is list else axes  # the fast path's key
     xa, axes, o, ax = _validate(fn, x, axes, out)
@@ -209,7 +211,9 @@ def _run(fn: str, x, axes, out):
             if o is None and ax.kind == "cupy" and x is xa and _plain(given):
                 _fresh[(xa.shape, xa.strides, xa.dtype, given, xa.data.ptr & 15, dev)] = \
                     (launch, out_shape)
-    return out if out is not None else ax.wrap(y)
+        if out is not None:
+            return c.handed_back(out, o)
+    return ax.wrap(y)
 
 
 def _plain(axes) -> bool:

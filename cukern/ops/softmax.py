@@ -94,6 +94,7 @@ def _fast(op: str, x, axis: int):
     return y
 
 
+@c.capture_safe
 def _run(op: str, names: tuple, inputs: tuple, axis, out):
     adapted = [c.adapt(op, n, a) for n, a in zip(names, inputs)]
     arrays = [a.array for a in adapted]
@@ -106,20 +107,23 @@ def _run(op: str, names: tuple, inputs: tuple, axis, out):
         raise ValueError(f"{op}: {names[0]} has shape {tuple(first.shape)}: rows of "
                          f"{first.shape[ax]} along axis {ax}; at most {_plan.MAX_COLS} "
                          f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
-    o = c.output(op, adapted[0], out)
-    if out is not None:
-        c.check_aliasing(op, arrays, o)
-    if first.size:
-        launch = _launch(op, dtype, ax, arrays, o)
-        if (out is None and len(arrays) == 1 and adapted[0].kind == "cupy"
-                and launch is not None):
-            _fresh[(op, axis, first.shape, first.strides, first.dtype, first.data.ptr & 15,
-                    first.data.device_id)] = launch
-    return out if out is not None else adapted[0].wrap(o)
+    dev = first.data.device_id
+    with c.on_device(dev):  # output, plan, compile and launch on the input's GPU
+        o = c.output(op, adapted[0], out)
+        if out is not None:
+            c.check_aliasing(op, arrays, o)
+        if first.size:
+            launch = _launch(op, dtype, ax, arrays, o)
+            if (out is None and len(arrays) == 1 and adapted[0].kind == "cupy"
+                    and launch is not None):
+                _fresh[(op, axis, first.shape, first.strides, first.dtype, first.data.ptr & 15,
+                        dev)] = launch
+        return c.handed_back(out, o) if out is not None else adapted[0].wrap(o)
 
 
 def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> c.Launch | None:
-    """Plan (once per layout) and launch; returns the Launch, or None when copies were made."""
+    """Plan (once per layout) and launch, with the arrays' device current; returns the Launch,
+    or None when copies were made."""
     dev = arrays[0].data.device_id
     ptr_bits = o.data.ptr
     for a in arrays:
@@ -134,11 +138,7 @@ def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> c.Launch | None:
             _launch_copied(op, dtype, axis, arrays, o, layouts, out_layout)
             return None
         launch = _launches[key] = _plan_launch(op, dtype, dev, arrays, o, layouts + [out_layout])
-    if dev == _get_device():
-        launch(*arrays, o)
-    else:
-        with c.cp.cuda.Device(dev):
-            launch(*arrays, o)
+    launch(*arrays, o)
     return launch
 
 
@@ -175,15 +175,16 @@ def run_plan(plan: _plan.Plan, *arrays, axis: int = -1, out=None):
     """Launch ``plan`` as given on CuPy arrays (no planning): for tests and benchmarks that pin
     a variant. The arrays must match the plan's op, dtype, rows, cols, layout and alignment;
     that is checked only as far as rows, cols and dtype."""
-    o = c.cp.empty(arrays[0].shape, arrays[0].dtype) if out is None else out
     ax = c.normalize_axis(plan.op, axis, arrays[0].ndim)
-    layouts = [c.layout(a, ax) for a in (*arrays, o)]
-    if any(v is None for v in layouts) or layouts[0][:2] != (plan.rows, plan.cols):
-        raise ValueError(f"run_plan: arrays do not match the plan's rows and cols: {plan}")
-    if c.DTYPE_NAMES.get(arrays[0].dtype) != plan.dtype:
-        raise TypeError(f"run_plan: dtype {arrays[0].dtype} is not the plan's {plan.dtype}")
     dev = arrays[0].data.device_id
-    c.Launch(plan, dev, _tail(layouts))(*arrays, o)
+    with c.on_device(dev):
+        o = c.cp.empty(arrays[0].shape, arrays[0].dtype) if out is None else out
+        layouts = [c.layout(a, ax) for a in (*arrays, o)]
+        if any(v is None for v in layouts) or layouts[0][:2] != (plan.rows, plan.cols):
+            raise ValueError(f"run_plan: arrays do not match the plan's rows and cols: {plan}")
+        if c.DTYPE_NAMES.get(arrays[0].dtype) != plan.dtype:
+            raise TypeError(f"run_plan: dtype {arrays[0].dtype} is not the plan's {plan.dtype}")
+        c.Launch(plan, dev, _tail(layouts))(*arrays, o)
     return o
 
 

@@ -1,0 +1,105 @@
+"""Without a GPU: the out= rule for JAX arrays as the runner applies it (before any DLPack
+exchange), and the capture-safety helpers where CUDA is unusable. The real checks with JAX,
+PyTorch and CUDA graphs are tests/test_interop_gpu.py and tests/test_capture_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import cukern
+from cukern import _capture, runner
+
+pytest.importorskip("cupy")
+
+
+def _jax_like():
+    """An object that claims to be a JAX array on CUDA GPU 0 and fails if it is exchanged."""
+
+    class ArrayImpl:
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("exchanged through DLPack before out= was checked")
+
+        def __dlpack_device__(self):
+            return 2, 0
+
+    ArrayImpl.__module__ = "jaxlib.xla_extension"
+    return ArrayImpl()
+
+
+def test_a_jax_out_is_refused_before_any_exchange():
+    with pytest.raises(TypeError, match=r"softmax: out is a JAX array; JAX arrays are "
+                                        r"immutable"):
+        runner.adapt("softmax", "out", _jax_like(), out=True)
+
+
+def test_capture_helpers_without_a_gpu():
+    if runner.cp is not None:
+        try:
+            runner.cp.cuda.runtime.getDeviceCount()
+            pytest.skip("a GPU is visible: tests/test_capture_gpu.py covers it")
+        except runner.cp.cuda.runtime.CUDARuntimeError:
+            pass
+    assert _capture.capturing() == 0
+    assert cukern.capture_memory_bytes() == 0
+    assert cukern.release_capture_memory() == 0
+
+    @_capture.capture_safe
+    def f(a, *, b=2):
+        """doc"""
+        return a + b
+
+    assert f(1, b=3) == 4 and f.__name__ == "f" and f.__doc__ == "doc"
+
+
+class _FakeMem:
+    """What an allocator returns, as far as cukern._capture looks at it."""
+
+    class _Block:
+        def __init__(self, size):
+            self.size = size
+
+    def __init__(self, size):
+        self.mem = self._Block(size)
+
+
+def test_capture_bookkeeping_with_a_stubbed_capturing_stream(monkeypatch):
+    """The Python side of capture safety with CUDA stubbed out: while "capturing", every
+    allocation a capture_safe function makes through the current allocator, and what keep()
+    is given, is held under the stream's pointer until released; outside, nothing is."""
+    cp = runner.cp
+
+    class Stream:
+        ptr = 7
+
+    state = {"capturing": False}
+    monkeypatch.setattr(_capture, "_get_stream", lambda: Stream)
+    monkeypatch.setattr(_capture, "_is_capturing", lambda ptr: state["capturing"])
+    made = []
+
+    def base(size):
+        made.append(size)
+        return _FakeMem(size)
+
+    monkeypatch.setattr(cp.cuda, "get_allocator", lambda: base)
+    cukern.release_capture_memory()
+
+    @_capture.capture_safe
+    def op(n):
+        # CuPy's own lookup of the allocator in force (capturing: the one capture_safe set;
+        # outside, base stands for the pool, which needs a GPU)
+        alloc = cp.cuda.memory.get_allocator() if state["capturing"] else base
+        return [alloc(s) for s in (512, 1024)][:n]
+
+    op(1)
+    _capture.keep(_FakeMem(99))
+    assert cukern.capture_memory_bytes() == 0  # not capturing: nothing kept
+
+    state["capturing"] = True
+    assert _capture.capturing() == 7
+    res = op(1)
+    _capture.keep(None, _FakeMem(256))
+    assert len(res) == 1
+    assert cukern.capture_memory_bytes() == 512 + 1024 + 256
+    assert cukern.release_capture_memory(8) == 0  # another stream
+    assert cukern.release_capture_memory(Stream) == 512 + 1024 + 256
+    assert cukern.capture_memory_bytes() == 0
