@@ -62,8 +62,11 @@ def optimize_graph(g: Graph, layout: str = "NHWC", input_layout: str = "NCHW",
 
 
 def _permute_bytes(g: Graph) -> int:
-    return sum(2 * int(np.prod(n.shape)) * np.dtype(n.dtype).itemsize
-               for n in g.nodes if n.materialised)
+    """Bytes moved by permutes, and by the two copies of a norm over a non-trailing axis."""
+    off_axis = {n.id for n in g.nodes if n.op in ("layer_norm", "rms_norm")
+                and n.attrs["axis"] != len(n.shape) - 1}
+    return sum((2 if n.id in off_axis else 1) * 2 * int(np.prod(n.shape))
+               * np.dtype(n.dtype).itemsize for n in g.nodes if n.materialised or n.id in off_axis)
 
 
 def check_user_ops(g: Graph, kind: str) -> None:

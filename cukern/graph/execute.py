@@ -130,7 +130,8 @@ def _run_node(n, a, out, gpu: bool, saved: dict):
                 return r[0]
             return r
     if op in ("layer_norm", "rms_norm"):
-        return norm_along(op, a[0], a[1], a[2] if len(a) > 2 else None, at["axis"], at["eps"])
+        w, b = (a[1:] + [None, None])[:2]
+        return norm_along(op, a[0], w, b, at["axis"], at["eps"])
     if op == "user":
         uo = at["userop"]
         impl = uo.nhwc if at["impl"] == "NHWC" else uo.nchw
@@ -140,6 +141,24 @@ def _run_node(n, a, out, gpu: bool, saved: dict):
                              f"returned shape {tuple(y.shape)}, expected {n.shape}")
         return y
     raise GraphError(f"cannot run op {op!r}")
+
+
+def _numpy_dtypes(g: Graph) -> dict[int, np.dtype]:
+    """Each value's dtype on the NumPy path, as eager reference code gives it: the references
+    return float64, permutes and elementwise ops follow their inputs, a user op is assumed to
+    return its input's dtype."""
+    dt: dict[int, np.dtype] = {}
+    for n in g.nodes:
+        if n.op in ("input", "param"):
+            v = n.attrs.get("value")
+            dt[n.id] = np.dtype(v.dtype if v is not None else n.dtype)
+        elif n.op in ("permute", "relu", "user"):
+            dt[n.id] = dt[n.args[0]]
+        elif n.op in ("add", "mul", "bias_add"):
+            dt[n.id] = np.result_type(*(dt[a] for a in n.inputs))
+        else:
+            dt[n.id] = np.dtype(np.float64)
+    return dt
 
 
 def _bshape(b, nd: int, axis: int):
@@ -166,7 +185,7 @@ class Program:
 
     def _plan(self) -> None:
         nodes = self.graph.nodes
-        root: dict[int, int] = {}
+        self.root = root = {}
         for n in nodes:
             view = n.op == "permute" and n.attrs.get("view")
             root[n.id] = root[n.args[0]] if view else n.id
@@ -181,9 +200,11 @@ class Program:
         self.slots: list[tuple] = []  # (shape, dtype) of each reused buffer
         self.slot_of: dict[int, int] = {}
         free: dict[tuple, list[int]] = {}
+        self.dtypes = ({n.id: np.dtype(n.dtype) for n in nodes} if self.gpu
+                       else _numpy_dtypes(self.graph))
         for i, n in enumerate(nodes):
             if n.op in OUT_OPS and not (n.op == "permute" and n.attrs.get("view")):
-                dt = np.dtype(n.dtype) if self.gpu else np.dtype(np.float64)
+                dt = self.dtypes[n.id]
                 key = (_storage(n), dt.str)
                 if n.id in results:
                     self.slot_of[n.id] = _RESULT
@@ -240,8 +261,7 @@ class Program:
                 if slot == _RESULT:
                     buf = results.get(n.id) if results is not None else None
                     if buf is None:
-                        dt = n.dtype if self.gpu else np.float64
-                        buf = xp.empty(_storage(n), dt)
+                        buf = xp.empty(_storage(n), self.dtypes[n.id])
                 else:
                     buf = bufs[slot]
                 out = _out_view(buf, n)
@@ -276,7 +296,7 @@ class Captured:
             args = _replace(args, {n.attrs["path"]: b for n, b in zip(ins, self.inputs)})
             vals = program.run(args)  # warm-up: compiles, plans, fills the private pool
             self.warmup = rebuild(program.outputs(vals))
-            results = {o: vals[o] for o in program.graph.outputs}
+            results = {program.root[o]: vals[o] for o in program.graph.outputs}
             self.stream.synchronize()
             self.stream.begin_capture()
             try:
