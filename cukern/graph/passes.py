@@ -287,17 +287,18 @@ def fold_transposes(g: Graph) -> tuple[Graph, list[LogEntry]]:
     """A materialised permute becomes a view (no kernel) when every reader reads strides
     (softmax, log_softmax, elementwise), or when its producer writes any strides and the
     permute is that producer's only reader (the producer then writes the permuted layout
-    through ``out=``: a graph result so written is C order)."""
+    through ``out=``). Graph results stay with the permute kernel (coalesced on both sides,
+    C order)."""
     b = _Builder(g, "fold_transposes")
     uses = g.consumers()
     outs = set(g.outputs)
     for n in g.nodes:
-        if not n.materialised:
+        if not n.materialised or n.id in outs:
             b.keep(n)
             continue
         readers = [g.node(c) for c in uses[n.id]]
         src = b.node(b.new.get(n.args[0], n.args[0]))
-        if readers and n.id not in outs and all(rule(c.op).strided_in for c in readers):
+        if readers and all(rule(c.op).strided_in for c in readers):
             b.keep(n)
             b.set(n.with_(args=b.node(n.id).args, attrs={**n.attrs, "view": True}))
             b.note(f"permute %{n.id} is a view read by "
