@@ -12,8 +12,8 @@ import pytest
 import cukern
 from cukern import graph
 from cukern.graph import examples as ex
-from cukern.graph.ir import NCHW, NHWC, Graph, Node
 from cukern.graph.execute import Program
+from cukern.graph.ir import NCHW, NHWC, Graph, Node
 
 
 def _x(rng, shape=(2, 8, 5, 6)):
@@ -325,7 +325,7 @@ def _random_chain(rng, c: int):
              "ln_last", "permute_pair", "user_nhwc", "user_nchw_only", "add_relu"]
     steps = [kinds[i] for i in rng.integers(0, len(kinds), int(rng.integers(3, 13)))]
     p = {}
-    for i, k in enumerate(steps):
+    for i, _k in enumerate(steps):
         p[f"rm{i}"], p[f"rv{i}"] = rng.uniform(-.1, .1, c), rng.uniform(.5, 1.5, c)
         p[f"w{i}"], p[f"b{i}"] = rng.uniform(.5, 1.5, c), rng.uniform(-.5, .5, c)
         p[f"k{i}"] = rng.standard_normal((c, 1, 3, 3)) / 3

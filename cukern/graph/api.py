@@ -9,7 +9,7 @@ from . import passes as P
 from .execute import Captured, Program, convert_param
 from .ir import Graph, GraphError, LogEntry, flatten
 
-__all__ = ["TracedGraph", "optimize_graph", "check_user_ops"]
+__all__ = ["TracedGraph", "optimize_graph", "check_user_ops", "bytes_moved"]
 
 
 def _rebuild(tree, leaves):
@@ -67,6 +67,32 @@ def _permute_bytes(g: Graph) -> int:
                 and n.attrs["axis"] != len(n.shape) - 1}
     return sum((2 if n.id in off_axis else 1) * 2 * int(np.prod(n.shape))
                * np.dtype(n.dtype).itemsize for n in g.nodes if n.materialised or n.id in off_axis)
+
+
+def bytes_moved(g: Graph) -> int:
+    """A model of the bytes a run moves: each op reads its activation operands once (a training
+    batch norm reads x twice) and writes its result once; a fused ReLU mask is a bit an
+    element; permutes move their array twice; a norm over a non-trailing axis adds two copies;
+    views and parameters are free."""
+    total = 0
+    for n in g.nodes:
+        if n.op in ("input", "param") or (n.op == "permute" and n.attrs.get("view")):
+            continue
+        size = int(np.prod(n.shape))
+        item = np.dtype(n.dtype).itemsize
+        reads = 0
+        for i, a in enumerate(n.args):
+            v = g.node(a) if a is not None else None
+            if v is None or v.op == "param" or int(np.prod(v.shape)) != size:
+                continue
+            twice = n.op == "batch_norm" and i == 0 and n.attrs["training"]
+            reads += (2 if twice else 1) * size * np.dtype(v.dtype).itemsize
+        total += reads + size * item
+        if n.op == "batch_norm" and n.attrs.get("mask"):
+            total += -(-size // 8)
+        if n.op in ("layer_norm", "rms_norm") and n.attrs["axis"] != len(n.shape) - 1:
+            total += 4 * size * item
+    return total
 
 
 def check_user_ops(g: Graph, kind: str) -> None:
@@ -131,13 +157,10 @@ class TracedGraph:
     __repr__ = __str__
 
     def _signature_of_graph(self) -> tuple:
-        ins = [n for n in self.graph.nodes if n.op == "input"]
-        ins.sort(key=lambda n: n.attrs["path"])
-        sig = []
-        for n in ins:
-            shape = n.shape if n.attrs.get("layout") != "NHWC" else None
-            sig.append((n.attrs["path"], shape, np.dtype(n.dtype).str, n.attrs["kind"]))
-        return tuple(sig)
+        ins = sorted((n for n in self.graph.nodes if n.op == "input"),
+                     key=lambda n: n.attrs["path"])
+        return tuple((n.attrs["path"], n.shape, np.dtype(n.dtype).str, n.attrs["kind"])
+                     for n in ins)
 
     def _signature(self, args) -> tuple:
         const = self.trace_kw.get("const_argnums")
@@ -154,9 +177,11 @@ class TracedGraph:
     def _for(self, args) -> TracedGraph:
         """This graph, or the one traced for ``args``'s shapes."""
         sig = self._signature(args)
-        if all(s[1] is None or s == t for s, t in zip(self.signature, sig)) and len(
-                sig) == len(self.signature):
+        if sig == self.signature:
             return self
+        if self.options is not None and self.options["input_layout"] == "NHWC":
+            raise GraphError(f"graph optimised for NHWC inputs {self.signature}, called with "
+                             f"{sig}: trace and optimise again for new shapes")
         other = self._others.get(sig)
         if other is None:
             if self.fn is None:
@@ -222,6 +247,12 @@ class TracedGraph:
                        fuse=fuse, fold=fold, keep_stats=keep_stats, check=check)
         return TracedGraph(g, self.fn, self.trace_kw, options, log)
 
+    def refresh_constants(self) -> None:
+        """Forget the converted constants (after a weight was changed in place: conversions
+        are cached by array identity)."""
+        for p in self._programs.values():
+            p.forget_constants()
+
     def saved(self) -> dict:
         """Fused batch norm id -> (mean, invstd, mask) of the latest plain call (keep_stats)."""
         return self.program().saved
@@ -242,6 +273,7 @@ class TracedGraph:
             lines.extend(str(e) for e in entries)
         hidden = self.graph.copy_count()
         lines.append(f"final: {self.graph.permute_count()} permutes"
-                     + (f", {hidden} norms over a non-trailing axis (copied)" if hidden else ""))
+                     + (f", {hidden} norms over a non-trailing axis (copied)" if hidden else "")
+                     + f"; bytes moved (model): {bytes_moved(self.graph)}")
         lines.append(str(self.graph))
         return "\n".join(lines)

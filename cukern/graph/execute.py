@@ -229,6 +229,9 @@ class Program:
             self.allocations += len(self.slots)
         return self._buffers
 
+    def forget_constants(self) -> None:
+        self._params.clear()
+
     def _param(self, n, value):
         if not n.attrs.get("transform"):
             return value

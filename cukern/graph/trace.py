@@ -441,7 +441,7 @@ def trace(fn, *args, const_argnums=None, name: str | None = None) -> Graph:
                                f"{p or 'its result'}; a traced function returns traced arrays")
         ids.append(v._node.id)
     counter = iter(range(len(ids)))
-    tree = _rebuild(out, lambda v: next(counter)) if not type(out) is Tracer else 0
+    tree = _rebuild(out, lambda v: next(counter)) if type(out) is not Tracer else 0
     g = Graph(ctx.nodes, tuple(ids), tree, ctx.name, arg_names)
     g, _ = g.dce()
     return TracedGraph(g, fn, {"const_argnums": const_argnums, "name": name})
