@@ -115,6 +115,30 @@ def test_tracing_errors_name_the_line(rng, fn, mark, what):
     assert what in msg and mark in msg and "test_graph_cpu.py:" in msg
 
 
+def _cupy_call(x):
+    import cupy
+
+    return cupy.exp(graph.relu(x))  # LINE-CUPY
+
+
+def test_cupy_function_on_traced_array(rng):
+    pytest.importorskip("cupy")
+    with pytest.raises(graph.TracingError, match="library function.*LINE-CUPY"):
+        graph.trace(_cupy_call, _x(rng))
+
+
+def test_layout_table_covers_registry():
+    """Every forward op of the registry has a layout rule, or tracing refuses it."""
+    from cukern import registry
+    from cukern.graph.layout import LAYOUT
+    from cukern.graph.trace import PATCHED, RECORDERS
+
+    for name, spec in registry.OPS.items():
+        traceable = name in RECORDERS
+        assert traceable == (name in LAYOUT and not spec.is_backward and name != "batch_stats")
+        assert name in PATCHED
+
+
 def test_trace_refuses_non_traced_results(rng):
     with pytest.raises(graph.TracingError, match="returns int"):
         graph.trace(lambda x: 3, _x(rng))
@@ -286,6 +310,19 @@ def test_register_validates():
         graph.register(lambda x: x, layouts={"NHWC": 3})
     with pytest.raises(ValueError, match="layout must be"):
         graph.optimize_graph(graph.trace(graph.relu, np.ones((2, 2))).graph, layout="NWHC")
+
+
+def test_keep_stats_saves_mask(rng):
+    x = _x(rng)
+    p = ex.resnet_params(8, rng, stat_dtype=np.float64)
+    opt = graph.trace(ex.resnet_block, x, p).optimize(keep_stats=True)
+    opt(x, copy.deepcopy(p))
+    saved = opt.saved()
+    assert len(saved) == 2
+    for nid, (mean, invstd, mask) in saved.items():
+        n = opt.graph.node(nid)
+        assert mean.shape == (8,) and invstd.shape == (8,)
+        assert mask.dtype == np.int32 and mask.size == -(-int(np.prod(n.shape)) // 32)
 
 
 # ---- execution: buffers, shapes
