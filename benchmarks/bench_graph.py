@@ -91,20 +91,8 @@ conv1 = graph.register(None, layouts={"NCHW": _conv("NCHW", _dense),
                        shape=lambda xs, ws: (xs[0], ws[0], xs[2], xs[3]))
 
 
-def resnet(x, p):
-    h = cukern.batch_norm(x, p["rm1"], p["rv1"], p["w1"], p["b1"], training=True)
-    h = graph.relu(h)
-    h = dwconv(h, p["k1"])
-    h = cukern.batch_norm(h, p["rm2"], p["rv2"], p["w2"], p["b2"], training=True)
-    h = graph.relu(h + x)
-    return cukern.softmax(h, axis=1)
-
-
-def convnext(x, p):
-    h = dwconv(x, p["k"])
-    h = graph.layer_norm(h, p["ln_w"], p["ln_b"], axis=1)
-    h = graph.relu(conv1(h, p["w1"]))
-    return conv1(h, p["w2"]) + x
+resnet = ex.make_resnet_block(dwconv)
+convnext = ex.make_convnext_block(dwconv, conv1)
 
 
 def _params(chain: str, c: int, dtype, rng) -> dict:
@@ -289,10 +277,7 @@ def main() -> None:
               f"{r['pct_copy']:7.1f} {r['permutes']:8d}")
     print("host us a call:", ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in host.items()))
-    misses = check_targets(rows, host)
-    print(f"\ntargets missed: {len(misses)}" + (":" if misses else ""))
-    for m in misses:
-        print("  " + m)
+    _results.print_misses(check_targets(rows, host))
 
 
 if __name__ == "__main__":

@@ -327,12 +327,18 @@ def test_keep_stats_saves_mask(rng):
 
 # ---- execution: buffers, shapes
 
-def test_buffers_planned_once_and_reused(rng):
+def relu_chain(k: int, scale: float):
+    """``k`` times relu(h * scale): 2k elementwise ops."""
     def fn(x):
         h = x
-        for _ in range(6):
-            h = graph.relu(h * 1.5)
+        for _ in range(k):
+            h = graph.relu(h * scale)
         return h
+    return fn
+
+
+def test_buffers_planned_once_and_reused(rng):
+    fn = relu_chain(6, 1.5)
     x = _x(rng).astype(np.float64)
     g = graph.trace(fn, x)
     p = g.program()

@@ -14,7 +14,7 @@ from cukern import graph
 from cukern.graph import examples as ex
 from cukern.graph.ir import NHWC
 
-from .test_graph_cpu import _random_chain
+from .test_graph_cpu import _random_chain, relu_chain
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -132,11 +132,7 @@ def test_capture_replay(rng, dtype):
 
 
 def test_capture_ten_op_chain(rng):
-    def chain(x):
-        h = x
-        for _ in range(5):
-            h = graph.relu(h * 0.9)
-        return h
+    chain = relu_chain(5, 0.9)
     x = cp.asarray(rng.standard_normal((2, 3, 4, 5)).astype(np.float32))
     cap = graph.trace(chain, x).optimize().capture(x)
     x2 = cp.asarray(rng.standard_normal((2, 3, 4, 5)).astype(np.float32))

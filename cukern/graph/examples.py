@@ -12,8 +12,8 @@ import cukern
 
 from . import ops as gops
 
-__all__ = ["dwconv3x3", "conv1x1", "resnet_block", "convnext_block", "resnet_params",
-           "convnext_params"]
+__all__ = ["dwconv3x3", "conv1x1", "resnet_block", "convnext_block", "make_resnet_block",
+           "make_convnext_block", "resnet_params", "convnext_params"]
 
 
 def _xp(a):
@@ -80,24 +80,32 @@ conv1x1 = gops.register(None, layouts={"NCHW": conv1x1_nchw, "NHWC": conv1x1_nhw
                         shape=lambda xs, ws: (xs[0], ws[0], xs[2], xs[3]))
 
 
-def resnet_block(x, p):
-    """The issue's example: BN-ReLU, depthwise conv, BN + residual + ReLU, softmax over C."""
-    h = cukern.batch_norm(x, p["rm1"], p["rv1"], p["w1"], p["b1"], training=True)
-    h = gops.relu(h)
-    h = dwconv3x3(h, p["k1"])
-    h = cukern.batch_norm(h, p["rm2"], p["rv2"], p["w2"], p["b2"], training=True)
-    h = gops.relu(h + x)
-    return cukern.softmax(h, axis=1)
+def make_resnet_block(dwconv):
+    """The issue's example over a depthwise conv op ``dwconv(x, k)``: BN-ReLU, dwconv,
+    BN + residual + ReLU, softmax over channels."""
+    def resnet_block(x, p):
+        h = cukern.batch_norm(x, p["rm1"], p["rv1"], p["w1"], p["b1"], training=True)
+        h = gops.relu(h)
+        h = dwconv(h, p["k1"])
+        h = cukern.batch_norm(h, p["rm2"], p["rv2"], p["w2"], p["b2"], training=True)
+        h = gops.relu(h + x)
+        return cukern.softmax(h, axis=1)
+    return resnet_block
 
 
-def convnext_block(x, p):
-    """Depthwise conv, layer norm over channels, 1x1 conv (C -> 4C), ReLU, 1x1 conv, residual."""
-    h = dwconv3x3(x, p["k"])
-    h = gops.layer_norm(h, p["ln_w"], p["ln_b"], axis=1)
-    h = conv1x1(h, p["w1"])
-    h = gops.relu(h)
-    h = conv1x1(h, p["w2"])
-    return h + x
+def make_convnext_block(dwconv, conv1x1):
+    """Depthwise conv, layer norm over channels, 1x1 conv (C -> 4C), ReLU, 1x1 conv,
+    residual, over the ops given."""
+    def convnext_block(x, p):
+        h = dwconv(x, p["k"])
+        h = gops.layer_norm(h, p["ln_w"], p["ln_b"], axis=1)
+        h = gops.relu(conv1x1(h, p["w1"]))
+        return conv1x1(h, p["w2"]) + x
+    return convnext_block
+
+
+resnet_block = make_resnet_block(dwconv3x3)
+convnext_block = make_convnext_block(dwconv3x3, conv1x1)
 
 
 def resnet_params(c: int, rng, xp=np, stat_dtype=np.float32) -> dict:

@@ -71,64 +71,60 @@ def _storage(n) -> tuple:
     return n.shape if axes is None else tuple(n.shape[a] for a in axes)
 
 
+class _Backend:
+    """The array module and the out=-taking ops of one kind of array."""
+
+    def __init__(self, gpu: bool) -> None:
+        if gpu:
+            from ..ops import softmax as sm
+            from ..ops.batch_norm import batch_norm
+            from ..ops.permute import permute
+
+            self.xp, self.permute, self.batch_norm = _cp(), permute, batch_norm
+            self.rowwise = {"softmax": sm.softmax, "log_softmax": sm.log_softmax}
+        else:
+            from .. import reference as ref
+
+            self.xp, self.batch_norm = np, ref.batch_norm
+            self.permute = lambda x, axes, out: _into(out, np.transpose(x, axes))
+            self.rowwise = {op: (lambda f: lambda x, axis, out: _into(out, f(x, axis)))(
+                getattr(ref, op)) for op in ("softmax", "log_softmax")}
+
+
+def _into(out, v):
+    out[...] = v
+    return out
+
+
+_BACKENDS: dict[bool, _Backend] = {}
+
+
 def _run_node(n, a, out, gpu: bool, saved: dict):
     """The value of node ``n`` from its argument values ``a`` (None for absent ones), written
     into ``out`` where the op takes it."""
     op = n.op
     at = n.attrs
-    if gpu:
-        cp = _cp()
-        if op == "permute":
-            from ..ops.permute import permute
-
-            return permute(a[0], at["axes"], out=out)
-        if op == "relu":
-            return cp.maximum(a[0], 0, out=out)
-        if op in ("add", "mul"):
-            f = cp.add if op == "add" else cp.multiply
-            return f(a[0], at["scalar"] if "scalar" in at else a[1], out=out)
-        if op == "bias_add":
-            return cp.add(a[0], _bshape(a[1], len(n.shape), at["axis"]), out=out)
-        if op in ("softmax", "log_softmax"):
-            from ..ops import softmax as sm
-
-            return getattr(sm, op)(a[0], at["axis"], out=out)
-        if op == "batch_norm":
-            from ..ops.batch_norm import batch_norm
-
-            keep = at.get("mask", False) and saved is not None
-            r = batch_norm(a[0], a[1], a[2], a[3], a[4], at["training"], at["momentum"],
-                           at["eps"], axis=at["axis"], addend=a[5], relu=at["relu"], out=out,
-                           return_stats=keep)
-            if keep:
-                saved[n.id] = r[1:]
-                return r[0]
-            return r
-    else:
-        from .. import reference as ref
-
-        if op == "permute":
-            out[...] = np.transpose(a[0], at["axes"])
-            return out
-        if op == "relu":
-            return np.maximum(a[0], 0, out=out)
-        if op in ("add", "mul"):
-            f = np.add if op == "add" else np.multiply
-            return f(a[0], at["scalar"] if "scalar" in at else a[1], out=out)
-        if op == "bias_add":
-            return np.add(a[0], _bshape(a[1], len(n.shape), at["axis"]), out=out)
-        if op in ("softmax", "log_softmax"):
-            out[...] = getattr(ref, op)(a[0], at["axis"])
-            return out
-        if op == "batch_norm":
-            keep = at.get("mask", False) and saved is not None
-            r = ref.batch_norm(a[0], a[1], a[2], a[3], a[4], at["training"], at["momentum"],
-                               at["eps"], axis=at["axis"], addend=a[5], relu=at["relu"],
-                               out=out, return_stats=keep)
-            if keep:
-                saved[n.id] = r[1:]
-                return r[0]
-            return r
+    be = _BACKENDS.get(gpu) or _BACKENDS.setdefault(gpu, _Backend(gpu))
+    if op == "permute":
+        return be.permute(a[0], at["axes"], out=out)
+    if op == "relu":
+        return be.xp.maximum(a[0], 0, out=out)
+    if op in ("add", "mul"):
+        f = be.xp.add if op == "add" else be.xp.multiply
+        return f(a[0], at["scalar"] if "scalar" in at else a[1], out=out)
+    if op == "bias_add":
+        return be.xp.add(a[0], _bshape(a[1], len(n.shape), at["axis"]), out=out)
+    if op in ("softmax", "log_softmax"):
+        return be.rowwise[op](a[0], at["axis"], out=out)
+    if op == "batch_norm":
+        keep = at.get("mask", False) and saved is not None
+        r = be.batch_norm(a[0], a[1], a[2], a[3], a[4], at["training"], at["momentum"],
+                          at["eps"], axis=at["axis"], addend=a[5], relu=at["relu"], out=out,
+                          return_stats=keep)
+        if keep:
+            saved[n.id] = r[1:]
+            return r[0]
+        return r
     if op in ("layer_norm", "rms_norm"):
         w, b = (a[1:] + [None, None])[:2]
         return norm_along(op, a[0], w, b, at["axis"], at["eps"])
