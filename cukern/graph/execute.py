@@ -289,6 +289,7 @@ class Captured:
         self.stream = cp.cuda.Stream(non_blocking=True)
         ins = [n for n in program.sources if n.op == "input"]
         given = [leaf_at(args, n.attrs["path"]) for n in ins]
+        cp.cuda.get_current_stream().synchronize()  # the caller's arrays are ready
         with cp.cuda.using_allocator(self.pool.malloc), self.stream:
             self.inputs = [cp.empty(n.shape, n.dtype) for n in ins]
             self._copy_in(given)
