@@ -303,11 +303,42 @@ def test_wrong_nhwc_shape_reported_at_optimize(rng):
     g.optimize(layout="NCHW")  # the NCHW implementation is right
 
 
+def test_weights_converted_once(rng):
+    calls = []
+
+    def convert(k):
+        calls.append(1)
+        return np.ascontiguousarray(k[:, 0].transpose(1, 2, 0))
+    op = graph.register(None, layouts={"NCHW": ex.dwconv_nchw, "NHWC": ex.dwconv_nhwc},
+                        weight_layout=convert, name="dw_counted")
+
+    def fn(x, p):
+        return cukern.softmax(op(x, p["k"]), axis=1)
+    x = _x(rng)
+    p = {"k": rng.standard_normal((8, 1, 3, 3))}
+    opt = graph.trace(fn, x, p).optimize(layout="NHWC", check=False)
+    assert len(calls) == 1  # at optimize time
+    for _ in range(3):
+        y = opt(x, p)
+    assert len(calls) == 1
+    _close(y, graph.eager(fn, x, p))
+    p2 = {"k": p["k"] * 2}  # a new weight array: converted once more
+    _close(opt(x, p2), graph.eager(fn, x, p2))
+    opt(x, p2)
+    assert len(calls) == 2
+    p2["k"] *= 0.5  # changed in place: refresh
+    opt.refresh_constants()
+    _close(opt(x, p2), graph.eager(fn, x, p2))
+    assert len(calls) == 3
+
+
 def test_register_validates():
     with pytest.raises(ValueError, match="layouts has keys"):
         graph.register(lambda x: x, layouts={"NCWH": abs})
     with pytest.raises(TypeError, match="NHWC implementation must be callable"):
         graph.register(lambda x: x, layouts={"NHWC": 3})
+    with pytest.raises(ValueError, match="const_argnums has 3"):
+        graph.trace(graph.relu, np.ones((2, 2)), const_argnums=(3,))
     with pytest.raises(ValueError, match="layout must be"):
         graph.optimize_graph(graph.trace(graph.relu, np.ones((2, 2))).graph, layout="NWHC")
 

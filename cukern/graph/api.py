@@ -245,7 +245,9 @@ class TracedGraph:
             check_user_ops(g, self.kind)
         options = dict(layout=layout, input_layout=input_layout, output_layout=output_layout,
                        fuse=fuse, fold=fold, keep_stats=keep_stats, check=check)
-        return TracedGraph(g, self.fn, self.trace_kw, options, log)
+        out = TracedGraph(g, self.fn, self.trace_kw, options, log)
+        out.program()  # constants converted now, at optimize time
+        return out
 
     def refresh_constants(self) -> None:
         """Forget the converted constants (after a weight was changed in place: conversions

@@ -416,6 +416,9 @@ def trace(fn, *args, const_argnums=None, name: str | None = None) -> Graph:
     if const_argnums is None:
         const_argnums = tuple(i for i, a in enumerate(args) if isinstance(a, dict))
     const_argnums = tuple(const_argnums)
+    for i in const_argnums:
+        if type(i) is not int or not 0 <= i < len(args):
+            raise ValueError(f"trace: const_argnums has {i!r}; {len(args)} arguments given")
     ctx = _Context(name or getattr(fn, "__name__", "graph"))
     try:
         arg_names = tuple(inspect.signature(fn).parameters)
