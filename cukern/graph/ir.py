@@ -185,8 +185,9 @@ class Graph:
             rhs = f"input {fmt_path(n.attrs['path'], self.arg_names)}"
         elif n.op == "param":
             rhs = f"param {fmt_path(n.attrs['path'], self.arg_names)}"
-            for t in n.attrs.get("transform", ()):
-                rhs += f" |> {t[0]}{tuple(t[1]) if t[0] == 'permute' else ''}"
+            for t in n.attrs.get("transform", ()):  # done once, at optimize time
+                rhs += (f" |> {t[1]}.weight_layout (shape before it)" if t[0] == "user"
+                        else f" |> {t[0]}{tuple(t[1])}")
         else:
             args = ", ".join("None" if a is None else f"%{a}" for a in n.args)
             attrs = ", ".join(f"{k}={_short(v)}" for k, v in n.attrs.items()
