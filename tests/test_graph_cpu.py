@@ -481,9 +481,14 @@ def _bytes(g) -> int:
     return graph.api._permute_bytes(g.graph)
 
 
-def test_random_chain_nhwc_output(rng):
-    fn, p, _ = _random_chain(np.random.default_rng(7), 6)
-    x = rng.standard_normal((2, 6, 4, 5)).astype(np.float32)
-    opt = graph.trace(fn, x, p).optimize(layout="NHWC", output_layout="NHWC")
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("io", ["out", "in_out"])
+def test_random_chain_nhwc_io(seed, io):
+    r = np.random.default_rng(100 + seed)
+    fn, p, steps = _random_chain(r, 6)
+    x = r.standard_normal((2, 6, 4, 5)).astype(np.float32)
+    opt = graph.trace(fn, x, p).optimize(
+        layout="NHWC", output_layout="NHWC", input_layout="NHWC" if io == "in_out" else "NCHW")
     pa, pb = copy.deepcopy(p), copy.deepcopy(p)
-    _close(opt(x, pb), graph.eager(fn, x, pa).transpose(NHWC))
+    xin = np.ascontiguousarray(x.transpose(NHWC)) if io == "in_out" else x
+    _close(opt(xin, pb), graph.eager(fn, x, pa).transpose(NHWC))
