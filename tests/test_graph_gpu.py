@@ -149,3 +149,20 @@ def test_nhwc_input(rng):
     got = opt(cp.ascontiguousarray(x.transpose(NHWC)), pb)
     want = graph.eager(ex.resnet_block, x, pa)
     assert _rel(got.transpose(0, 3, 1, 2), want) <= BLOCK_TOL["float32"]
+
+
+def _cupy_exp(x):
+    return cp.exp(graph.relu(x))  # LINE-CUPY-GPU
+
+
+def test_errors_on_gpu_arrays(rng):
+    x = cp.asarray(rng.standard_normal((1, 3, 4, 5)).astype(np.float32))
+    with pytest.raises(graph.TracingError, match="LINE-CUPY-GPU"):
+        graph.trace(_cupy_exp, x)
+    bad = graph.register(None, layouts={"NCHW": lambda x: x * 2,
+                                        "NHWC": lambda x: x[:, :, :, :1] * 2},
+                         name="bad_gpu_op")
+    g = graph.trace(lambda x: bad(x), x)
+    with pytest.raises(graph.GraphError, match=r"bad_gpu_op: its NHWC implementation returned "
+                                                r"shape \(1, 4, 5, 1\)"):
+        g.optimize(layout="NHWC")
