@@ -21,7 +21,8 @@ import os
 import re
 import subprocess
 
-__all__ = ["COLUMNS", "Run", "gpu_tag", "commit", "today", "peer_rows", "write_json"]
+__all__ = ["COLUMNS", "Run", "gpu_tag", "commit", "today", "peer_rows", "print_misses",
+           "write_json"]
 
 # Peers whose time gets a column (``<peer>_ms``): the libraries, the same-size device copy, the
 # residual norms' unfused add then norm, and the fastest way forced (bench_layer_norm --ways).
@@ -183,6 +184,13 @@ def _cell(column: str, v) -> str:
             return f"{v:.6g}"
         return f"{v:.5g}" if column.endswith("gbps") else f"{v:.2f}"
     return str(v)
+
+
+def print_misses(misses: list[str], count: str = ": {}") -> None:
+    """Print how many targets a run missed (``count`` formats the number), then each."""
+    print("\ntargets missed" + count.format(len(misses)) + (":" if misses else ""))
+    for m in misses:
+        print("  " + m)
 
 
 def peer_rows(results: list[dict], note=None) -> list[dict]:

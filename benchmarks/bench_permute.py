@@ -447,10 +447,7 @@ def main() -> None:
     table(results)
     print("\nhost overhead (us per call, 4x32 float32):",
           {k: round(v, 2) for k, v in overhead.items()})
-    misses = check_targets(results, overhead)
-    print(f"\ntargets missed at {len(misses)} shapes" + (":" if misses else ""))
-    for m in misses:
-        print("  " + m)
+    _results.print_misses(check_targets(results, overhead), " at {} shapes")
 
 
 if __name__ == "__main__":
