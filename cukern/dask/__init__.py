@@ -24,9 +24,9 @@ except ImportError as err:  # pragma: no cover - tested in a subprocess
                       f'pip install "cukern[dask]"') from err
 
 from ._blocks import PerformanceWarning
-from .batch_norm import batch_norm, batch_norm_backward, batch_stats
-from .permute import permute, to_nchw, to_nhwc
-from .rowwise import (
+from ._batch_norm import batch_norm, batch_norm_backward, batch_stats
+from ._permute import permute, to_nchw, to_nhwc
+from ._rowwise import (
     layer_norm,
     layer_norm_backward,
     log_softmax,
