@@ -18,8 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._chunked import HOST_TILE_BYTES, Result, _add, _outputs, _sl, _tile_shape, \
-    auto_chunk_rows, tiles
+from .._chunked import (
+    HOST_TILE_BYTES,
+    Result,
+    _add,
+    _outputs,
+    _sl,
+    _tile_shape,
+    auto_chunk_rows,
+    tiles,
+)
 from .._io import InputError, RunError
 
 __all__ = ["run", "check"]

@@ -23,8 +23,8 @@ except ImportError as err:  # pragma: no cover - tested in a subprocess
     raise ImportError(f"cukern.dask needs Dask ({err}); install it with: "
                       f'pip install "cukern[dask]"') from err
 
-from ._blocks import PerformanceWarning
 from ._batch_norm import batch_norm, batch_norm_backward, batch_stats
+from ._blocks import PerformanceWarning
 from ._permute import permute, to_nchw, to_nhwc
 from ._rowwise import (
     layer_norm,

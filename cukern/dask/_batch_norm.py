@@ -209,7 +209,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
             mean, var = (da.from_array(a, chunks=chunks, asarray=False) for a in (mean_v, var_v))
         mean, var = mean.astype(sdt), var.astype(sdt)
     else:
-        mean, var = (B.param(fn, n, v, chunks).map_blocks(B.to_float, sdt, dtype=sdt)
+        mean, var = (B.param(fn, n, v, chunks).map_blocks(B.to_float, sdt, dtype=sdt,
+                                                           meta=B.meta(x, sdt, 1))
                      for n, v in (("running_mean", running_mean), ("running_var", running_var)))
     want_mask = relu and return_stats
     ind = tuple(range(x.ndim))
@@ -317,8 +318,9 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
                           has=(m is not None, w is not None), addend=addend,
                           dtype=x.dtype, meta=x._meta)
     gdt = np.dtype(w.dtype) if w is not None else sdt
-    res = (B.output(packed, 0, x.dtype), dweight.astype(sdt).map_blocks(B.cast, gdt, dtype=gdt),
-           dbias.astype(sdt).map_blocks(B.cast, gdt, dtype=gdt))
+    res = (B.output(packed, 0, x.dtype),
+           *(s.astype(sdt).map_blocks(B.cast, gdt, dtype=gdt, meta=B.meta(s, gdt))
+             for s in (dweight, dbias)))
     return res + (B.output(packed, 1, x.dtype),) if addend else res
 
 

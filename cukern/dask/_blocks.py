@@ -10,7 +10,6 @@ import warnings
 
 import dask.array as da
 import numpy as np
-from dask.array.utils import meta_from_array
 from dask.highlevelgraph import HighLevelGraph
 
 from .. import runner
@@ -46,8 +45,10 @@ def like(a, ref):
 
 
 def meta(x: da.Array, dtype, ndim: int | None = None):
-    """An empty array of ``x``'s block kind with ``dtype`` and ``ndim`` dimensions."""
-    return meta_from_array(x._meta, ndim=x.ndim if ndim is None else ndim, dtype=dtype)
+    """An empty array of ``x``'s block kind with ``dtype`` and ``ndim`` dimensions (made
+    afresh: CuPy cannot ``astype`` to bfloat16, which dask's ``meta_from_array`` would do)."""
+    shape = (0,) * (x.ndim if ndim is None else ndim)
+    return _cupy().empty(shape, dtype) if is_cupy(x._meta) else np.empty(shape, dtype)
 
 
 def stat_dtype(dtype) -> np.dtype:
@@ -207,6 +208,8 @@ def cast(a, dtype):
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a
+    if is_cupy(a) and _is_bf16(a.dtype):
+        a = to_float(a, np.float32)
     if is_cupy(a) and _is_bf16(dtype):
         cp = _cupy()
         u = cp.ascontiguousarray(a.astype(cp.float32)).view(cp.uint32)

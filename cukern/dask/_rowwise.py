@@ -266,6 +266,7 @@ def _norm_backward_block(dy, x, *rest, op: str, k: int, has_w: bool):
     dy = B.like(dy, x)
     if B.is_cupy(x):
         import cukern
+
         from ..ops import layer_norm as ln
 
         if w is not None and x.dtype.itemsize == 2:  # float32 sums, not rounded to x's dtype
