@@ -257,6 +257,8 @@ def _apply_block(x, mean, var, *rest, axis: int, eps: float, relu: bool, has, ma
     if B.is_cupy(x):
         import cukern
 
+        if z is not None and z.strides != x.strides:  # one block moved between workers
+            x, z = B._cupy().ascontiguousarray(x), B._cupy().ascontiguousarray(z)
         res = cukern.batch_norm(x, mean, var, w, b, False, 0.0, eps, axis=axis, addend=z,
                                 relu=relu, return_stats=mask)
         return (res[0], res[3]) if mask else (res,)
@@ -366,9 +368,16 @@ def _sums_block(dy, x, mean, invstd, *rest, axis: int, has_mask: bool):
         shape + [2])
 
 
-def _keep(xp, words, like):
-    """The booleans of mask ``words`` shaped like ``like``, read in its memory order."""
+def _keep(xp, words, like, axis: int):
+    """The booleans of mask ``words`` shaped like ``like``, read in its memory order (as the
+    op that wrote them: the reference follows the strides; the GPU op reads a layout that no
+    (outer, C, inner) view describes as a C-order copy)."""
     order = sorted(range(like.ndim), key=lambda i: (-abs(like.strides[i]), i))
+    if xp is not np:
+        from ..ops.batch_norm import _view_of
+
+        if _view_of(like.shape, like.strides, like.itemsize, axis) is None:
+            order = list(range(like.ndim))
     bits = xp.unpackbits(xp.ascontiguousarray(words).view(xp.uint8), bitorder="little")
     keep = bits[:like.size].astype(bool).reshape([like.shape[i] for i in order])
     return keep.transpose(tuple(int(i) for i in np.argsort(order)))
@@ -388,7 +397,7 @@ def _dx_block(dy, x, mean, invstd, sum_g, sum_gx, *rest, axis: int, n: int, trai
 
     g = B.to_float(B.like(dy, x), f)
     if m is not None:
-        g = xp.where(_keep(xp, m, x), g, f.type(0))
+        g = xp.where(_keep(xp, m, x, axis), g, f.type(0))
     a = chan(invstd) * (chan(w) if w is not None else f.type(1))
     if training:
         xhat = (B.to_float(x, f) - chan(mean)) * chan(invstd)
