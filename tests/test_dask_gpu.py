@@ -18,6 +18,7 @@ import cukern.dask as cd  # noqa: E402
 from cukern import reference  # noqa: E402
 
 from .conftest import TOL  # noqa: E402
+from .test_cli import leftovers, run, save  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STAT_RTOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
@@ -219,6 +220,31 @@ def test_permute(scheduler, rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# The command line on Dask workers: the same files as in-process.
+
+def cli_same_files(tmp_path, rng, *extra):
+    """softmax and layer-norm --grad --param-grads in-process and with ``extra`` (worker
+    options), on the same tiles: the same bytes."""
+    x = save(tmp_path / "x.npy", rng.standard_normal((6000, 1000)).astype(np.float16))
+    dy = save(tmp_path / "dy.npy", rng.standard_normal((6000, 1000)).astype(np.float16))
+    w = save(tmp_path / "w.npy", rng.standard_normal(1000).astype(np.float16))
+    for tag, opts in (("1", []), ("n", list(extra))):
+        run("softmax", x, "-o", tmp_path / f"s{tag}.npy", "--chunk-rows", 1000, "-q", *opts)
+        run("layer-norm", x, "-o", tmp_path / f"l{tag}.npy", "--weight", w, "--grad", dy,
+            "--param-grads", tmp_path / f"g{tag}.npz", "--chunk-rows", 1000, "-q", *opts)
+    for name in ("s1.npy", "l1.npy", "g1.npz"):
+        other = name.replace("1", "n")
+        assert (tmp_path / name).read_bytes() == (tmp_path / other).read_bytes(), name
+    assert leftovers(tmp_path) == []
+
+
+def test_cli_scheduler(scheduler, rng, tmp_path):
+    if scheduler == "threads":
+        pytest.skip("--scheduler needs the LocalCUDACluster (the next parameter)")
+    cli_same_files(tmp_path, rng, "--scheduler", scheduler.scheduler.address)
+
+
+# ---------------------------------------------------------------------------------------------
 # Several GPUs: a LocalCUDACluster over all of them gives the single-GPU results.
 
 @pytest.mark.skipif(gpus() < 2, reason="needs 2 or more GPUs (LocalCUDACluster over all of "
@@ -249,6 +275,9 @@ class TestSeveralGPUs:
                               [dy, x, want[1], want[2]], 256))
         close(dw, ref[1], "float16", scale=2)
         close(db, ref[2], "float16", scale=2)
+
+    def test_cli_workers(self, rng, tmp_path):
+        cli_same_files(tmp_path, rng, "--workers", gpus())
 
     def test_batch_norm(self, cluster, rng):
         x = cp.asarray((rng.standard_normal((128, 16, 8, 8)) + 3).astype(np.float32))

@@ -158,7 +158,8 @@ def _client(workers: int | None, scheduler: str | None, device):
     except ImportError as err:
         raise RunError(f"--workers on GPUs needs dask-cuda ({err}); install it with: "
                        f'pip install "cukern[dask]"') from None
-    cluster = LocalCUDACluster(n_workers=workers, threads_per_worker=1, **quiet)
+    # two tasks a GPU: one's file reads and writes overlap the other's transfers and kernels
+    cluster = LocalCUDACluster(n_workers=workers, threads_per_worker=2, **quiet)
     return Client(cluster), cluster
 
 
