@@ -14,9 +14,9 @@ from dask.highlevelgraph import HighLevelGraph
 
 from .. import runner
 
-__all__ = ["PerformanceWarning", "as_dask", "param", "whole", "align", "is_cupy", "like",
-           "pick", "pick_keep", "output", "per_block", "from_blocks", "cast", "to_float",
-           "meta", "stat_dtype", "float_dtype"]
+__all__ = ["PerformanceWarning", "as_dask", "param", "whole", "align", "check_same",
+           "is_cupy", "like", "pick", "pick_keep", "output", "per_block", "from_blocks", "cast",
+           "to_float", "meta", "stat_dtype", "float_dtype"]
 
 
 class PerformanceWarning(UserWarning):
