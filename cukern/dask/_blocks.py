@@ -112,7 +112,7 @@ def whole(fn: str, name: str, x: da.Array, axes) -> da.Array:
         f"{y.npartitions} chunks, the largest {_size(before)} -> {_size(after)} (a copy of "
         f"{name} through the scheduler; chunk it with "
         f"{{{', '.join(f'{a}: -1' for a in split)}}} to avoid it)",
-        PerformanceWarning, stacklevel=3)
+        PerformanceWarning, stacklevel=4)
     return y
 
 
@@ -122,7 +122,7 @@ def align(fn: str, name: str, a: da.Array, ref: da.Array, ref_name: str) -> da.A
         return a
     warnings.warn(f"{fn}: {name} is chunked unlike {ref_name}; rechunked to {ref_name}'s "
                   f"{ref.npartitions} chunks (a copy of {name} through the scheduler)",
-                  PerformanceWarning, stacklevel=3)
+                  PerformanceWarning, stacklevel=4)
     return a.rechunk(ref.chunks)
 
 

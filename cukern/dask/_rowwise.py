@@ -58,8 +58,9 @@ def _rowwise(op: str, arrays, names, axis) -> da.Array:
         raise ValueError(f"{op}: {names[0]} is a 0-d array; the op needs at least one axis")
     ax = runner.normalize_axis(op, axis, first.ndim)
     first = B.whole(op, names[0], first, (ax,))
-    rest = [B.align(op, n, B.whole(op, n, a, (ax,)), first, names[0])
-            for n, a in zip(names[1:], arrays[1:])]
+    rest = []
+    for n, a in zip(names[1:], arrays[1:]):  # a loop, not a comprehension: warnings' stacklevel
+        rest.append(B.align(op, n, B.whole(op, n, a, (ax,)), first, names[0]))
     return da.map_blocks(_rowwise_block, first, *rest, op=op, axis=ax, dtype=first.dtype,
                          meta=first._meta)
 
