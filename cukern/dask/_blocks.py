@@ -6,6 +6,7 @@ both kinds of block."""
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import dask.array as da
@@ -96,6 +97,15 @@ def _size(n: float) -> str:
     return ""  # pragma: no cover
 
 
+def _caller() -> int:
+    """The ``stacklevel`` of the first frame outside cukern.dask (where a warning is about),
+    for a function of this package that calls ``warnings.warn``."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("cukern.dask"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def whole(fn: str, name: str, x: da.Array, axes) -> da.Array:
     """``x`` with each of ``axes`` in one chunk: rechunked along those axes only, and only when
     one is split, with a :class:`PerformanceWarning` that says what it cost."""
@@ -112,7 +122,7 @@ def whole(fn: str, name: str, x: da.Array, axes) -> da.Array:
         f"{y.npartitions} chunks, the largest {_size(before)} -> {_size(after)} (a copy of "
         f"{name} through the scheduler; chunk it with "
         f"{{{', '.join(f'{a}: -1' for a in split)}}} to avoid it)",
-        PerformanceWarning, stacklevel=4)
+        PerformanceWarning, stacklevel=_caller())
     return y
 
 
@@ -122,7 +132,7 @@ def align(fn: str, name: str, a: da.Array, ref: da.Array, ref_name: str) -> da.A
         return a
     warnings.warn(f"{fn}: {name} is chunked unlike {ref_name}; rechunked to {ref_name}'s "
                   f"{ref.npartitions} chunks (a copy of {name} through the scheduler)",
-                  PerformanceWarning, stacklevel=4)
+                  PerformanceWarning, stacklevel=_caller())
     return a.rechunk(ref.chunks)
 
 
