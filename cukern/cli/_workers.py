@@ -140,7 +140,9 @@ def _client(workers: int | None, scheduler: str | None, device):
                        f'it with: pip install "cukern[dask]"') from None
     if scheduler is not None:
         try:
-            return Client(scheduler, timeout="30s"), None
+            return Client(scheduler, timeout="10s"), None
+        except ValueError as err:  # not an address
+            raise InputError(f"--scheduler {scheduler}: {err}") from None
         except OSError as err:
             raise RunError(f"--scheduler {scheduler}: cannot connect ({err})") from None
     quiet = dict(dashboard_address=None, silence_logs=logging.CRITICAL)
