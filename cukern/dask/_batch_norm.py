@@ -24,6 +24,13 @@ def _axis(fn: str, x: da.Array, axis) -> int:
     return runner.normalize_axis(fn, axis, x.ndim)
 
 
+def _start(fn: str, x, axis, training):
+    """(x, its dtype name, the channel axis, training), checked as the op checks them."""
+    x = B.as_dask(fn, "x", x)
+    dtype = B.float_dtype(fn, "x", x)
+    return x, dtype, _axis(fn, x, axis), _flag(fn, "training", training)
+
+
 def _vector(fn: str, name: str, v, x: da.Array, axis: int, allowed) -> da.Array | None:
     """A per-channel argument, checked like the op's, chunked like x's channel axis."""
     if v is None:
@@ -170,10 +177,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     the first axis and each block's size is a multiple of 32.
     """
     fn = "batch_norm"
-    x = B.as_dask(fn, "x", x)
-    dtype = B.float_dtype(fn, "x", x)
-    ax = _axis(fn, x, axis)
-    training = _flag(fn, "training", training)
+    x, dtype, ax, training = _start(fn, x, axis, training)
     relu = _flag(fn, "relu", relu)
     return_stats = _flag(fn, "return_stats", return_stats)
     momentum = _momentum(fn, momentum)
@@ -286,10 +290,7 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     dweight and dbias of weight's dtype when given, else float32 (float64 for float64 x).
     """
     fn = "batch_norm_backward"
-    x = B.as_dask(fn, "x", x)
-    dtype = B.float_dtype(fn, "x", x)
-    ax = _axis(fn, x, axis)
-    training = _flag(fn, "training", training)
+    x, dtype, ax, training = _start(fn, x, axis, training)
     addend = _flag(fn, "addend", addend)
     dy = B.as_dask(fn, "dy", dy)
     B.check_same(fn, "x", x, "dy", dy)
