@@ -9,6 +9,7 @@ float64 NumPy references instead, through the same chunking and file handling.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -18,9 +19,10 @@ import click
 import numpy as np
 
 from .. import _io
-from .._chunked import Meter, Result, as_rows, run
+from .._chunked import Meter, Result, as_rows
+from .._chunked import run as _run
 from .._io import InputError, RunError
-from . import common
+from . import _workers, common
 from .common import (
     DTYPES,
     _check_eps,
@@ -64,6 +66,16 @@ def _op_options(fn):
     return fn
 
 
+def _worker_options(fn):
+    """--workers and --scheduler of the row-wise commands (:mod:`cukern.cli._workers`)."""
+    fn = click.option("--scheduler", metavar="ADDRESS",
+                      help="Run the chunks on the Dask cluster at ADDRESS (tcp://host:port); "
+                           "its workers must see IN and OUT's folder.")(fn)
+    return click.option("--workers", type=click.IntRange(min=1), metavar="N",
+                        help="Spread the chunks over N GPUs (a dask-cuda LocalCUDACluster; "
+                             "with --device cpu, N processes); needs cukern[dask].")(fn)
+
+
 def _on_device(device, arrays):
     """Put parameter arrays (None allowed) on the device, finished before any stream uses them."""
     if device == "cpu":
@@ -76,8 +88,13 @@ def _on_device(device, arrays):
     return out
 
 
-def _execute(fn, inputs, results, sinks, *, device, chunk_rows, work, quiet, label):
-    """Run the chunked engine with a progress bar (rows and GB/s) on a terminal."""
+def _execute(fn, inputs, results, sinks, *, device, chunk_rows, work, quiet, label,
+             workers=None, scheduler=None):
+    """Run the chunked engine with a progress bar (rows and GB/s) on a terminal; on Dask
+    workers with ``--workers`` / ``--scheduler`` (:mod:`cukern.cli._workers`)."""
+    run = _run
+    if _workers.check(workers, scheduler, device):
+        run = functools.partial(_workers.run, workers=workers, scheduler=scheduler)
     meter = Meter()
     total = inputs[0].shape[0] * inputs[0].shape[2]
     if not _show_progress(quiet) or total == 0:
@@ -109,13 +126,15 @@ def _summary(quiet: bool, what: str, paths, meter: Meter) -> None:
 
 @_command("softmax")
 @_op_options
+@_worker_options
 @click.option("--axis", type=int, default=-1, show_default=True,
               help="The axis to normalise over.")
 @click.option("--log", is_flag=True, help="log-softmax instead of softmax.")
 @click.option("--grad", metavar="DY.npy",
               help="Backward pass: IN is the saved output y, DY the gradient with respect to "
                    "it; writes dx.")
-def softmax_cmd(input, output, dtype, device, chunk_rows, overwrite, quiet, axis, log, grad):
+def softmax_cmd(input, output, dtype, device, chunk_rows, overwrite, quiet, workers, scheduler,
+                axis, log, grad):
     """Softmax of IN along an axis, written to OUT.npy.
 
     \b
@@ -164,7 +183,7 @@ def softmax_cmd(input, output, dtype, device, chunk_rows, overwrite, quiet, axis
         inputs = [as_rows(_io.c_order(a, s), p, m, q) for a, s in zip(arrays, specs)]
         _, meter = _execute(fn, inputs, [Result("y", m, work)], [as_rows(y, p, m, q)],
                             device=dev, chunk_rows=chunk_rows, work=work, quiet=quiet,
-                            label=op.replace("_", " "))
+                            label=op.replace("_", " "), workers=workers, scheduler=scheduler)
         outs.commit()
     _summary(quiet, op.replace("_", "-"), [out], meter)
 
@@ -210,6 +229,7 @@ def _norm_options(bias: bool, eps: float):
 
 @_command("layer-norm")
 @_op_options
+@_worker_options
 @_norm_options(bias=True, eps=1e-5)
 def layer_norm_cmd(**kw):
     """Layer norm over the trailing axes of IN, written to OUT.npy.
@@ -226,6 +246,7 @@ def layer_norm_cmd(**kw):
 
 @_command("rms-norm")
 @_op_options
+@_worker_options
 @_norm_options(bias=False, eps=1e-6)
 def rms_norm_cmd(**kw):
     """RMS norm over the trailing axes of IN, written to OUT.npy.
@@ -240,8 +261,9 @@ def rms_norm_cmd(**kw):
     _norm("rms_norm", bias=None, **kw)
 
 
-def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, normalized_ndim,
-          normalized_shape, weight, bias, eps, stats, grad, param_grads) -> None:
+def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, workers, scheduler,
+          normalized_ndim, normalized_shape, weight, bias, eps, stats, grad,
+          param_grads) -> None:
     command = op.replace("_", "-")
     layer = op == "layer_norm"
     stat_names = ("mean", "rstd") if layer else ("rstd",)
@@ -351,7 +373,8 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, normal
         inputs = [as_rows(_io.c_order(a, s), p, m, 1) for a, s in zip(arrays, specs)]
         inputs += [as_rows(_io.c_order(s, "--stats"), p, 1, 1) for s in saved]
         sums, meter = _execute(fn, inputs, results, sinks, device=dev, chunk_rows=chunk_rows,
-                               work=work, quiet=quiet, label=label)
+                               work=work, quiet=quiet, label=label, workers=workers,
+                               scheduler=scheduler)
         written = [out]
         if want_stats:
             outs.npz(Path(stats), dict(zip(stat_names, scratch)))

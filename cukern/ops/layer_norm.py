@@ -378,12 +378,23 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
     launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
     if launch.partial is not None:  # the main kernel keeps no column sums: from x and dy
         launch.partial(dyv, xv, _arg(mean), rstd, p0, p1)
-    if grad is not None:
+    if grad is not None and dw.dtype != dx.dtype:  # the float32 sums (backward_param_sums)
+        dw[...] = partial[0].sum(axis=0)
+        if db is not None:
+            db[...] = partial[1].sum(axis=0)
+    elif grad is not None:
         launch.reduce(partial, dw, _arg(db))
 
 
+def backward_param_sums(op: str, dy, x, mean, rstd, weight):
+    """``op``'s backward (``mean`` None for RMS norm) with dweight and dbias left as the
+    kernels' float32 column sums (float64 for float64 x), not rounded to x's dtype: for
+    :mod:`cukern.dask`, which adds them up across blocks first. Returns what the op does."""
+    return _backward_checked(op, dy, x, mean, rstd, weight, None, sums_dtype=True)
+
+
 @c.capture_safe
-def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
+def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key, sums_dtype=False):
     layer = op == "layer_norm_backward"
     ax = c.adapt(op, "x", x)
     xa = ax.array
@@ -419,8 +430,9 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key):
         dx = c.cp.empty(xa.shape, xa.dtype)
         dw = db = None
         if w is not None:
-            dw = c.cp.empty(ns, xa.dtype)
-            db = c.cp.empty(ns, xa.dtype) if layer else None
+            gdt = _stat_dtype(dtype) if sums_dtype else xa.dtype
+            dw = c.cp.empty(ns, gdt)
+            db = c.cp.empty(ns, gdt) if layer else None
         if rows and cols:
             xv, sx = _rows_view(xa, k)
             dyv, sdy = _rows_view(dya, k)
