@@ -309,6 +309,17 @@ def device_spec(device_id: int) -> _device.DeviceSpec:
     return _device._live_spec(device_id)
 
 
+def _context_current() -> None:
+    """Makes the current device's primary context current in this thread before a driver API
+    call (occupancy, kernel attributes). CuPy's launches do this themselves, but a thread that
+    has made no runtime call yet (a Dask or user thread whose output came from CuPy's pool)
+    has none, and the driver answers CUDA_ERROR_INVALID_CONTEXT."""
+    from cupy_backends.cuda.api import driver
+
+    if driver.ctxGetCurrent() == 0:
+        cp.cuda.runtime.free(0)  # cudaFree(0): the runtime's way to set up the context
+
+
 def driver_occupancy(device_id: int):
     """Occupancy from the CUDA driver for the compiled candidate kernel: blocks per SM, and
     (``occ.max_clusters``) how many clusters of a cluster plan fit on the GPU at once, which
@@ -380,6 +391,7 @@ def kernel(plan: _plan.Plan, device_id: int):
     and clusters past the portable size where its plan has one. CuPy keeps a kernel per
     device and sets attributes on the current device's: call it with ``device_id`` current."""
     kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
+    _context_current()
     if plan.cluster > PORTABLE_CLUSTER and kern.kernel.ptr not in _non_portable:
         from cupy_backends.cuda.api import driver
 

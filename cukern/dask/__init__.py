@@ -23,6 +23,7 @@ except ImportError as err:  # pragma: no cover - tested in a subprocess
     raise ImportError(f"cukern.dask needs Dask ({err}); install it with: "
                       f'pip install "cukern[dask]"') from err
 
+from . import _serialize
 from ._batch_norm import batch_norm, batch_norm_backward, batch_stats
 from ._blocks import PerformanceWarning
 from ._permute import permute, to_nchw, to_nhwc
@@ -36,6 +37,8 @@ from ._rowwise import (
     softmax,
     softmax_backward,
 )
+
+_serialize.install()  # bfloat16 CuPy blocks keep their dtype between processes
 
 __all__ = ["PerformanceWarning", "batch_norm", "batch_norm_backward", "batch_stats",
            "layer_norm", "layer_norm_backward", "log_softmax", "log_softmax_backward",
