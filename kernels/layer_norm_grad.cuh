@@ -112,14 +112,15 @@ __device__ __forceinline__ void add_row_terms(Sums<C, K>& s, C g, C xhat) {
   if constexpr (LAYER) s.v[1] += g;
 }
 
-// dx for one element, given the row sums: rs * (g - mean(g) - xhat * mean(g * xhat)) as two fused
-// multiply-adds, rs * g + (xhat * b + a) with a = -rs * mean(g), b = -rs * mean(g * xhat).
+// dx for one element, given the row sums: rs * (g - mean(g) - xhat * mean(g * xhat)) as
+// rs * (g + (xhat * b + a)) with a = -mean(g), b = -mean(g * xhat). Scaling after the difference
+// keeps a row of equal g (one column: xhat = 0) at dx = 0 exactly; rs * g + (-rs * mean(g))
+// contracted to an FMA left rs * g's rounding error, amplified by rs = 1 / sqrt(eps).
 template <bool LAYER, typename C, int K> struct GradX {
   C m, rs, a, b;
   __device__ __forceinline__ GradX(const Sums<C, K>& s, C m_, C rs_, C inv_cols)
-      : m(m_), rs(rs_), a(LAYER ? -rs_ * (s.v[K - 1] * inv_cols) : C(0)),
-        b(-rs_ * (s.v[0] * inv_cols)) {}
-  __device__ __forceinline__ C with_xhat(C xhat, C g) const { return rs * g + (xhat * b + a); }
+      : m(m_), rs(rs_), a(LAYER ? -(s.v[K - 1] * inv_cols) : C(0)), b(-(s.v[0] * inv_cols)) {}
+  __device__ __forceinline__ C with_xhat(C xhat, C g) const { return rs * (g + (xhat * b + a)); }
   __device__ __forceinline__ C operator()(C x, C g) const { return with_xhat((x - m) * rs, g); }
 };
 
