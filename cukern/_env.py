@@ -173,8 +173,9 @@ def report(compile_check: bool = True) -> dict:
     from . import __version__
 
     out: dict = {"cukern": __version__, "numpy": np.__version__, "cupy": None,
-                 "cuda_runtime": None, "cuda_driver": None, "nvrtc": None, "nvrtc_error": None,
-                 "gpus": [], "gpu_problem": None, "cache": None, "compile": []}
+                 "nvidia_driver": _nvidia_driver(), "cuda_runtime": None, "cuda_driver": None,
+                 "nvrtc": None, "nvrtc_error": None, "gpus": [], "gpu_problem": None,
+                 "cache": None, "compile": []}
     path, files, size = cache_dir()
     out["cache"] = {"dir": path, "files": files, "bytes": size,
                     "fallback_from": CACHE_FALLBACK[0] if CACHE_FALLBACK else None}
@@ -201,6 +202,17 @@ def report(compile_check: bool = True) -> dict:
         archs = sorted({g["arch"] for g in out["gpus"]}) or ["sm_90"]
         out["compile"] = [c for arch in archs for c in _compile_families(arch)]
     return out
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA kernel driver's version (``570.86.15``) where Linux shows it, else None."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            words = f.readline().split()
+    except OSError:
+        return None
+    versions = [w for w in words if w[:1].isdigit() and "." in w]
+    return versions[0] if versions else None
 
 
 def _gpu(cupy, dev: int) -> dict:

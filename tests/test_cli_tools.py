@@ -86,8 +86,8 @@ def test_explain_json(args, kernel):
 # info / doctor, selftest --json
 
 
-INFO_KEYS = {"cukern", "numpy", "cupy", "cuda_runtime", "cuda_driver", "nvrtc", "nvrtc_error",
-             "gpus", "gpu_problem", "cache", "compile"}
+INFO_KEYS = {"cukern", "numpy", "cupy", "nvidia_driver", "cuda_runtime", "cuda_driver", "nvrtc",
+             "nvrtc_error", "gpus", "gpu_problem", "cache", "compile"}
 
 
 def test_info_json_and_doctor():

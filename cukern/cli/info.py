@@ -45,6 +45,7 @@ def _rows(rep: dict) -> list[tuple[str, str]]:
     rows = [("cukern", rep["cukern"]), ("NumPy", rep["numpy"]),
             ("CuPy", rep["cupy"] or "not importable"),
             ("CUDA runtime", rep["cuda_runtime"] or na),
+            ("NVIDIA driver", rep["nvidia_driver"] or "not found"),
             ("CUDA driver", rep["cuda_driver"] or "none (no NVIDIA driver found)"),
             ("NVRTC", rep["nvrtc"] or f"not available ({rep.get('nvrtc_error', '?')})")]
     cache = rep["cache"]
