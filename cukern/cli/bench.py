@@ -36,7 +36,7 @@ __all__ = ["bench_cmd"]
               help="Peers to time as well (those not installed or without the op are "
                    "skipped), or none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead.")
-@click.option("--plot", metavar="FILE.png", help="Also plot %% of copy against cols into FILE.png.")
+@click.option("--plot", metavar="FILE.png", help="Also plot % of copy against cols into FILE.png.")
 @click.option("--dry-run", is_flag=True,
               help="Print the shapes and bytes that would be timed; needs no GPU.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
