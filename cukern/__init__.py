@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from . import _env  # noqa: F401  first: makes CuPy's kernel-cache folder work (see _env)
 from ._capture import capture_memory_bytes, release_capture_memory
 from ._device import DeviceSpec
 from ._explain import explain

@@ -6,9 +6,11 @@ median kernel time. The copy moves the same number of bytes as a forward op (one
 write of the array); ``pct_copy`` is an op's bandwidth over the copy's. Inputs rotate over
 enough buffers to leave the L2 cache behind, so small shapes measure memory, not cache.
 
-``sweep("permute", ...)`` times 2-D transposes of (rows, cols) arrays, beside PyTorch's
-``copy_`` of ``x.t()`` (what ``.contiguous()`` runs), CuPy's copy of ``x.T`` (``--vs cupy``)
-and JAX's jitted transpose; ``benchmarks/bench_permute.py`` times the layout shapes.
+:func:`sweep` times any op of the registry; what it runs for each op (shapes, inputs, the
+peers' calls) is in :mod:`cukern._bench_ops`. ``sweep("permute", ...)`` times 2-D transposes of
+(rows, cols) arrays, beside PyTorch's ``copy_`` of ``x.t()`` (what ``.contiguous()`` runs),
+CuPy's copy of ``x.T`` (``--vs cupy``) and JAX's jitted transpose;
+``benchmarks/bench_permute.py`` times the layout shapes.
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from . import registry
-from ._io import np_dtype
 
 __all__ = ["sweep", "plot", "time_gpu", "time_wall", "jax_pipelined", "host_overhead_us", "OPS",
            "default_cols"]
 
-# The ops sweep() times: the softmax family and permute as a 2-D transpose (the norms and
-# batch norm have their own benchmarks).
+# The ops benchmarks/bench_softmax.py sweeps by default: the softmax family and permute
+# (sweep() itself times every op of the registry).
 OPS = tuple(name for name, spec in registry.OPS.items()
             if spec.family == "softmax" or name == "permute")
 ROTATE_BYTES = 256 * 2**20  # > 4x the H100's 50 MB L2
@@ -117,115 +118,6 @@ def _sets(nbytes: int) -> int:
     return max(1, min(16, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
 
 
-def _make_inputs(op: str, rows: int, cols: int, dtype, n_sets: int):
-    import cupy as cp
-
-    forward = registry.get(op).forward
-    xs, dys = [], []
-    for _ in range(n_sets):
-        x = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
-        if forward:  # a backward's y is its forward's output
-            x = registry.get(forward).fn(x)
-        xs.append(x)
-        if forward:
-            dys.append(cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype))
-    return xs, dys
-
-
-def _peer_fns(op: str, peer: str, xs, dys):
-    """A timer for ``peer``'s version of ``op``: ``lambda reps: milliseconds``, or None when the
-    peer has no such op."""
-    n_sets = len(xs)
-
-    def stream(fn):
-        return lambda reps: time_gpu(fn, n_sets, reps)
-
-    if op == "permute":
-        return _permute_peer_fns(peer, xs, stream)
-    if peer == "cukern":
-        import cupy as cp
-
-        spec = registry.get(op)
-        f = spec.fn
-        outs = [cp.empty_like(x) for x in xs]
-        if spec.forward:
-            return stream(lambda i: f(xs[i], dys[i], out=outs[i]))
-        return stream(lambda i: f(xs[i], out=outs[i]))
-    if peer == "torch":
-        import torch
-
-        tx = [torch.from_dlpack(x) for x in xs]
-        tdy = [torch.from_dlpack(d) for d in dys]
-        if torch.cuda.current_stream().cuda_stream != 0:
-            return None  # not on the legacy default stream: the events would not bracket it
-        # torch.softmax's own kernels through their out= overloads, writing one output per
-        # input set as cukern and the copy do: a new output from PyTorch's caching allocator
-        # takes the block just freed, whose lines may still sit in L2 for arrays under 50 MB
-        # (then PyTorch and cukern alike measured up to 117% of the copy at rows 49152).
-        aten = torch.ops.aten
-        touts = [torch.empty_like(t) for t in tx]
-        if op == "softmax":
-            return stream(lambda i: aten._softmax.out(tx[i], -1, False, out=touts[i]))
-        if op == "log_softmax":
-            return stream(lambda i: aten._log_softmax.out(tx[i], -1, False, out=touts[i]))
-        if op == "softmax_backward":
-            return stream(lambda i: aten._softmax_backward_data.out(
-                tdy[i], tx[i], -1, tx[i].dtype, grad_input=touts[i]))
-        return stream(lambda i: aten._log_softmax_backward_data.out(
-            tdy[i], tx[i], -1, tx[i].dtype, out=touts[i]))
-    if peer == "jax" and op in ("softmax", "log_softmax"):
-        import jax
-        import jax.numpy as jnp
-
-        jx = [jnp.from_dlpack(x) for x in xs]
-        g = jax.nn.softmax if op == "softmax" else jax.nn.log_softmax
-        # one jitted call over every input set: its dispatch cost is shared by n_sets kernels
-        f = jax.jit(lambda *a: [g(x, axis=-1) for x in a])
-        run, sync = jax_pipelined(lambda _: f(*jx))
-        return lambda reps: time_wall(lambda: run(0), sync, n_sets, reps)
-    if peer == "cupyx" and op in ("softmax", "log_softmax"):
-        import cupyx.scipy.special as sp
-
-        g = sp.softmax if op == "softmax" else sp.log_softmax
-        return stream(lambda i: g(xs[i], axis=-1))
-    return None
-
-
-def _permute_peer_fns(peer: str, xs, stream):
-    """Timers for a 2-D transpose of each (rows, cols) input into one (cols, rows) output a
-    set, as :func:`_peer_fns` gives them; None for a peer with no transpose."""
-    n_sets = len(xs)
-    if peer == "cukern":
-        import cupy as cp
-
-        import cukern
-
-        outs = [cp.empty(x.shape[::-1], x.dtype) for x in xs]
-        return stream(lambda i: cukern.permute(xs[i], (1, 0), out=outs[i]))
-    if peer == "cupy":
-        import cupy as cp
-
-        outs = [cp.empty(x.shape[::-1], x.dtype) for x in xs]
-        return stream(lambda i: cp.copyto(outs[i], xs[i].T))  # ascontiguousarray's kernel
-    if peer == "torch":
-        import torch
-
-        if torch.cuda.current_stream().cuda_stream != 0:
-            return None  # not on the legacy default stream: the events would not bracket it
-        tx = [torch.from_dlpack(x) for x in xs]
-        touts = [torch.empty(tuple(t.shape[::-1]), dtype=t.dtype, device=t.device) for t in tx]
-        return stream(lambda i: touts[i].copy_(tx[i].t()))  # what .contiguous() runs
-    if peer == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        jx = [jnp.from_dlpack(x) for x in xs]
-        f = jax.jit(lambda *a: [x.T for x in a])  # one dispatch for every input set
-        run, sync = jax_pipelined(lambda _: f(*jx))
-        return lambda reps: time_wall(lambda: run(0), sync, n_sets, reps)
-    return None
-
-
 def jax_pipelined(call: Callable[[int], object]):
     """(run, sync) for :func:`time_wall` around a JAX call ``call(i)``: ``run`` only enqueues
     (JAX dispatches asynchronously) and keeps the latest result; ``sync`` blocks on it, so a
@@ -280,84 +172,88 @@ SMALL_BYTES = 64 * 2**20  # arrays up to this size are timed in SMALL_ROUNDS rou
 SMALL_ROUNDS = 3
 
 
-def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int],
+def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int] | None = None,
           rows_fn: Callable[[int], int] | None = None,
           vs: Iterable[str] = ("torch", "jax", "cupyx"),
-          progress: Callable[[dict], None] | None = None, reps: int = 30) -> list[dict]:
-    """Time ``op`` for each dtype and cols (rows = rows_fn(cols), default 2**27 // cols) for
-    cukern, a same-size copy and each available peer. One dict per measurement: op, dtype, rows,
-    cols, peer ('cukern', 'copy', 'torch', ...), ms, gbps, pct_copy.
+          progress: Callable[[dict], None] | None = None, reps: int = 30,
+          shapes: Iterable[tuple[int, ...]] | None = None) -> list[dict]:
+    """Time ``op`` (any op of the registry) for each dtype and shape, for cukern, a same-size
+    copy and each available peer. Shapes: ``shapes``; else (rows_fn(cols), cols) for each of
+    ``cols_list`` (rows default 2**27 // cols); else the op's defaults
+    (:func:`cukern._bench_ops.plan`). One dict per measurement: op, dtype, shape, rows, cols,
+    bytes (moved), peer ('cukern', 'copy', 'torch', ...), ms, gbps, pct_copy.
 
     Arrays up to SMALL_BYTES run in a few microseconds, where a passing slowdown of the GPU
     moves one median by 5%: the copy and every peer are timed in SMALL_ROUNDS interleaved
     rounds, and each keeps its best round."""
     import cupy as cp
 
+    from . import _bench_ops
     from ._explain import dtype_name
 
-    rows_fn = rows_fn or (lambda c: max(1, 2**27 // c))
-    reads, writes = registry.get(op).traffic
+    names = [dtype_name(dt) for dt in dtypes]
+    if shapes is None and cols_list is not None:
+        rows_fn = rows_fn or (lambda c: max(1, 2**27 // c))
+        shapes = [(rows_fn(c), c) for c in cols_list]
+    cases = _bench_ops.plan(op, names, shapes=shapes)
     results: list[dict] = []
     copy_cache: dict[int, float] = {}
     peers = ("cukern", *vs)
     warm_up()
-    for dt in dtypes:
-        name = dtype_name(dt)
-        dtype = np_dtype(name)
-        for cols in cols_list:
-            rows = rows_fn(cols)
-            array_bytes = rows * cols * dtype.itemsize
-            moved = (reads + writes) * array_bytes
-            rounds = SMALL_ROUNDS if array_bytes <= SMALL_BYTES else 1
-            n_sets = _sets((reads + writes) * array_bytes)
-            xs, dys = _make_inputs(op, rows, cols, dtype, n_sets)
-            best: dict[str, float] = {}
-            errors: dict[str, str] = {}
-            made: dict = {}
-            for _ in range(rounds):
-                c_ms = copy_ms(array_bytes, reps)
-                copy_cache[array_bytes] = min(copy_cache.get(array_bytes, c_ms), c_ms)
-                for peer in peers:
-                    if peer in errors:
-                        continue
-                    if rounds == 1:
-                        made.clear()  # one peer's buffers at a time for the large arrays
-                    try:
-                        if peer not in made:
-                            made[peer] = _peer_fns(op, peer, xs, dys)
-                        if made[peer] is None:
-                            continue
-                        ms = made[peer](reps)
-                    except ImportError:
-                        made[peer] = None
-                        continue
-                    except Exception as err:  # a peer that cannot run a shape is reported
-                        errors[peer] = str(err)[:200]
-                        continue
-                    best[peer] = min(best.get(peer, ms), ms)
-            c_ms = copy_cache[array_bytes]
-            copy_gbps = 2 * array_bytes / c_ms / 1e6
-            row = dict(op=op, dtype=name, rows=rows, cols=cols)
-            results.append(dict(row, peer="copy", ms=c_ms, gbps=copy_gbps, pct_copy=100.0))
+    for case in cases:
+        array_bytes = case.array_bytes
+        rounds = SMALL_ROUNDS if array_bytes <= SMALL_BYTES else 1
+        sets = _bench_ops.make_inputs(case, _sets(case.moved_bytes))
+        best: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        made: dict = {}
+        for _ in range(rounds):
+            c_ms = copy_ms(array_bytes, reps)
+            copy_cache[array_bytes] = min(copy_cache.get(array_bytes, c_ms), c_ms)
             for peer in peers:
                 if peer in errors:
-                    results.append(dict(row, peer=peer, ms=float("nan"), gbps=float("nan"),
-                                        pct_copy=float("nan"), error=errors[peer]))
-                elif peer in best:
-                    gbps = moved / best[peer] / 1e6
-                    results.append(dict(row, peer=peer, ms=best[peer], gbps=gbps,
-                                        pct_copy=100.0 * gbps / copy_gbps))
-                    if progress:
-                        progress(results[-1])
-            del xs, dys, made
-            cp.get_default_memory_pool().free_all_blocks()
-            if "torch" in vs:
+                    continue
+                if rounds == 1:
+                    made.clear()  # one peer's buffers at a time for the large arrays
                 try:
-                    import torch
-
-                    torch.cuda.empty_cache()  # its out= buffers, before the next shape
+                    if peer not in made:
+                        made[peer] = _bench_ops.timer(case, peer, sets, time_gpu, time_wall,
+                                                      jax_pipelined)
+                    if made[peer] is None:
+                        continue
+                    ms = made[peer](reps)
                 except ImportError:
-                    pass
+                    made[peer] = None
+                    continue
+                except Exception as err:  # a peer that cannot run a shape is reported
+                    errors[peer] = str(err)[:200]
+                    continue
+                best[peer] = min(best.get(peer, ms), ms)
+        c_ms = copy_cache[array_bytes]
+        copy_gbps = 2 * array_bytes / c_ms / 1e6
+        rows, cols = case.rows_cols
+        row = dict(op=case.op, dtype=case.dtype, shape=list(case.shape), rows=rows, cols=cols,
+                   bytes=case.moved_bytes)
+        results.append(dict(row, peer="copy", ms=c_ms, gbps=copy_gbps, pct_copy=100.0))
+        for peer in peers:
+            if peer in errors:
+                results.append(dict(row, peer=peer, ms=float("nan"), gbps=float("nan"),
+                                    pct_copy=float("nan"), error=errors[peer]))
+            elif peer in best:
+                gbps = case.moved_bytes / best[peer] / 1e6
+                results.append(dict(row, peer=peer, ms=best[peer], gbps=gbps,
+                                    pct_copy=100.0 * gbps / copy_gbps))
+                if progress:
+                    progress(results[-1])
+        del sets, made
+        cp.get_default_memory_pool().free_all_blocks()
+        if "torch" in vs:
+            try:
+                import torch
+
+                torch.cuda.empty_cache()  # its out= buffers, before the next shape
+            except ImportError:
+                pass
     return results
 
 

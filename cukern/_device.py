@@ -20,9 +20,10 @@ The model ignores registers: cukern's kernels are built for at most 64 registers
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DeviceSpec"]
+__all__ = ["DeviceSpec", "PRESETS"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,23 @@ class DeviceSpec:
         return cls("NVIDIA H100 80GB HBM3 (preset)", (9, 0), 132, 2048, 32, 233472, 232448)
 
     @classmethod
+    def h200(cls) -> DeviceSpec:
+        """NVIDIA H200 SXM (141 GB HBM3e): the H100's SMs and shared memory, so its plans."""
+        return cls("NVIDIA H200 (preset)", (9, 0), 132, 2048, 32, 233472, 232448)
+
+    @classmethod
     def a100(cls) -> DeviceSpec:
         """NVIDIA A100 SXM: 108 SMs, 163 KiB of shared memory per block."""
         return cls("NVIDIA A100-SXM4 (preset)", (8, 0), 108, 2048, 32, 167936, 166912)
+
+    @classmethod
+    def preset(cls, name: str) -> DeviceSpec:
+        """The preset called ``name`` (a key of :data:`PRESETS`, any case), e.g. ``"h100"``."""
+        key = name.strip().lower() if isinstance(name, str) else name
+        if key not in PRESETS:
+            raise ValueError(f"unknown device preset {name!r}; expected one of "
+                             f"{', '.join(PRESETS)}")
+        return PRESETS[key]()
 
     @classmethod
     def from_device(cls, device_id: int | None = None) -> DeviceSpec:
@@ -82,6 +97,14 @@ class DeviceSpec:
             f"{self.name}: sm_{major}{minor}, {self.sms} SMs, "
             f"{self.smem_per_block_optin // 1024} KiB shared memory per block (opt-in)"
         )
+
+
+# The presets by name: what ``explain(device="h100")`` and ``cukern explain --device`` accept.
+PRESETS: dict[str, Callable[[], DeviceSpec]] = {
+    "h100": DeviceSpec.h100,
+    "h200": DeviceSpec.h200,
+    "a100": DeviceSpec.a100,
+}
 
 
 def _current_device_id() -> int:

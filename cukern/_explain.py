@@ -50,7 +50,8 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
     (forward: added before the ReLU; backward: daddend written); it returns a
     :class:`cukern.plan.batch_norm.BatchNormPlan` (layout, passes, grids, what stays on chip).
 
-    ``device``: a :class:`DeviceSpec` (plans from its occupancy model, no GPU needed), a CUDA
+    ``device``: a :class:`DeviceSpec` or a preset's name (``"h100"``, ``"h200"``, ``"a100"``:
+    :data:`cukern._device.PRESETS`; plans from its occupancy model, no GPU needed), a CUDA
     device id (the driver's occupancy for the compiled kernels), or None: the current GPU when
     one is visible, else ``DeviceSpec.h100()``. ``weight``, ``bias``, ``residual``: whether the
     call passes them (the norms; ``rms_norm`` takes no bias, the backwards only a weight): they
@@ -182,6 +183,11 @@ def _switches(op: str, flags: dict[str, bool]) -> _plan.Switches:
 
 
 def _resolve(device):
+    if isinstance(device, str):  # a preset's name
+        try:
+            return DeviceSpec.preset(device), None
+        except ValueError as err:
+            raise ValueError(f"explain: device: {err}") from None
     if isinstance(device, DeviceSpec):
         if device.device_id is None:
             return device, None
@@ -194,8 +200,8 @@ def _resolve(device):
         except Exception:
             return DeviceSpec.h100(), None
     if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
-        raise TypeError(f"explain: device must be a DeviceSpec, a device id or None, "
-                        f"got {type(device).__name__}")
+        raise TypeError(f"explain: device must be a DeviceSpec, a preset's name, a device id "
+                        f"or None, got {type(device).__name__}")
     from . import runner
 
     return runner.device_spec(int(device)), runner.driver_occupancy(int(device))

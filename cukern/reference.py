@@ -4,11 +4,25 @@ float64; results are float64. Permute moves bits: its reference keeps x's dtype.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "layer_norm", "layer_norm_backward",
            "log_softmax", "log_softmax_backward", "pack_mask", "permute", "rms_norm",
            "rms_norm_backward", "softmax", "softmax_backward", "unpack_mask"]
+
+
+def _quiet(fn):
+    """``fn`` without NumPy's RuntimeWarnings: NaN and inf in the data propagate to the result
+    as on the GPU, and the command line's --device cpu path prints no warnings for them."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def _f64(a) -> np.ndarray:
@@ -31,12 +45,14 @@ def log_softmax(x, axis: int = -1) -> np.ndarray:
         return s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
 
 
+@_quiet
 def softmax_backward(y, dy, axis: int = -1) -> np.ndarray:
     """``dx = (dy - sum(dy * y)) * y`` for y = softmax(x)."""
     y, dy = _f64(y), _f64(dy)
     return (dy - np.sum(dy * y, axis=axis, keepdims=True)) * y
 
 
+@_quiet
 def log_softmax_backward(y, dy, axis: int = -1) -> np.ndarray:
     """``dx = dy - exp(y) * sum(dy)`` for y = log_softmax(x)."""
     y, dy = _f64(y), _f64(dy)
@@ -63,6 +79,7 @@ def _skip(x, residual):
     return _f64(h), _f64(h)
 
 
+@_quiet
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
                residual=None, return_stats: bool = True):
     """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing dimensions, var
@@ -87,6 +104,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
     return out + (h,) if h is not None else out
 
 
+@_quiet
 def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6, *, residual=None,
              return_stats: bool = True):
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing dimensions. Returns
@@ -104,6 +122,7 @@ def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6, *, residual=No
     return out + (h,) if h is not None else out
 
 
+@_quiet
 def _norm_backward(dy, x, mean, rstd, weight):
     x, dy, rstd = _f64(x), _f64(dy), _f64(rstd)
     k = np.ndim(weight) if weight is not None else x.ndim - rstd.ndim
@@ -206,6 +225,7 @@ def _keep_of(mask, like) -> np.ndarray:
     return np.transpose(keep.reshape([shape[i] for i in order]), np.argsort(order))
 
 
+@_quiet
 def batch_stats(x, *, axis: int = 1):
     """Per-channel ``mean`` and biased ``var = mean((x - mean)^2)`` over every axis of x but
     ``axis``, two-pass in float64. Returns (mean, var), each of shape (C,)."""
@@ -219,6 +239,7 @@ def batch_stats(x, *, axis: int = 1):
     return mean.reshape(-1), var
 
 
+@_quiet
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
                momentum: float = 0.1, eps: float = 1e-5, *, axis: int = 1, addend=None,
                relu: bool = False, return_stats: bool = False, out=None):
@@ -287,6 +308,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     return y, mean, invstd, mask
 
 
+@_quiet
 def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask=None,
                         addend: bool = False, training: bool = True):
     """The backward of :func:`batch_norm` for its saved mean and invstd.

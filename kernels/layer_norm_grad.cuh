@@ -113,12 +113,16 @@ __device__ __forceinline__ void add_row_terms(Sums<C, K>& s, C g, C xhat) {
 }
 
 // dx for one element, given the row sums: rs * (g - mean(g) - xhat * mean(g * xhat)) as two fused
-// multiply-adds, rs * g + (xhat * b + a) with a = -rs * mean(g), b = -rs * mean(g * xhat).
+// multiply-adds, rs * g + (xhat * b + a) with a = -rs * mean(g), b = -rs * mean(g * xhat). A layer
+// norm over one column has dx = 0 exactly (x - mean = 0): its row takes r = 0, since the FMA
+// would keep rs * g's rounding error, amplified by rs = 1 / sqrt(eps).
 template <bool LAYER, typename C, int K> struct GradX {
   C m, rs, a, b;
   __device__ __forceinline__ GradX(const Sums<C, K>& s, C m_, C rs_, C inv_cols)
-      : m(m_), rs(rs_), a(LAYER ? -rs_ * (s.v[K - 1] * inv_cols) : C(0)),
-        b(-rs_ * (s.v[0] * inv_cols)) {}
+      : GradX(s, m_, LAYER && inv_cols == C(1) ? C(0) : rs_, inv_cols, 0) {}
+  __device__ __forceinline__ GradX(const Sums<C, K>& s, C m_, C r, C inv_cols, int)
+      : m(m_), rs(r), a(LAYER ? -r * (s.v[K - 1] * inv_cols) : C(0)),
+        b(-r * (s.v[0] * inv_cols)) {}
   __device__ __forceinline__ C with_xhat(C xhat, C g) const { return rs * g + (xhat * b + a); }
   __device__ __forceinline__ C operator()(C x, C g) const { return with_xhat((x - m) * rs, g); }
 };

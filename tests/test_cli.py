@@ -915,55 +915,6 @@ def test_info_runs_anywhere():
     assert cukern.__version__ in out
 
 
-def _fake_bench(calls):
-    def sweep(op, dtypes, cols_list, rows_fn=None, vs=("torch", "jax", "cupyx"), progress=None):
-        calls.append(dict(op=op, dtypes=dtypes, cols=cols_list, vs=vs, rows_fn=rows_fn))
-        out = []
-        for dt in dtypes:
-            for c in cols_list:
-                rows = rows_fn(c) if rows_fn else 1 << 20 // c
-                row = dict(op=op, dtype=dt, rows=rows, cols=c)
-                out.append(dict(row, peer="copy", ms=0.1, gbps=3300.0, pct_copy=100.0))
-                for peer, g in (("cukern", 3000.0), *((p, 1500.0) for p in vs)):
-                    out.append(dict(row, peer=peer, ms=0.1, gbps=g, pct_copy=g / 33.0))
-                    if progress:
-                        progress(out[-1])
-                if "jax" in vs:  # a peer that cannot run a shape is reported, not fatal
-                    out[-1].update(gbps=float("nan"), pct_copy=float("nan"), error="no")
-        return out
-
-    def plot(results, path):
-        calls.append(dict(plot=str(path), n=len(results)))
-        Path(path).write_bytes(b"png")
-
-    return types.SimpleNamespace(sweep=sweep, plot=plot)
-
-
-def test_bench_table_json_plot(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setitem(sys.modules, "cukern._bench", _fake_bench(calls))
-    monkeypatch.setattr(cli, "_gpu_problem", lambda dev=0: None)
-    out = run("bench", "--cols", "256..2048", "--dtype", "float16", "--vs", "torch").stdout
-    assert calls[-1]["cols"] == [256, 512, 1024, 2048] and calls[-1]["vs"] == ("torch",)
-    head, *lines = out.strip().splitlines()
-    assert head.index("cukern GB/s  %copy") < head.index("copy GB/s  %copy") < \
-        head.index("torch GB/s  %copy")
-    assert len(lines) == 4 and "3000.0   90.9%" in lines[0] and "1500.0" in lines[0]
-    out = run("bench", "--cols", "64", "--vs", "torch,jax").stdout
-    assert out.strip().splitlines()[1].endswith("failed")
-    js = run("bench", "log-softmax", "--cols", "1000,4096", "--rows", "64", "--vs", "none",
-             "--json", "--plot", tmp_path / "p.png").stdout
-    import json
-
-    res = json.loads(js)
-    assert {r["cols"] for r in res} == {1000, 4096} and {r["rows"] for r in res} == {64}
-    assert {r["peer"] for r in res} == {"copy", "cukern"} and calls[-2]["op"] == "log_softmax"
-    assert calls[-1]["plot"] == str(tmp_path / "p.png") and (tmp_path / "p.png").exists()
-    fails("bench", "--cols", "9..3", code=2, says="--cols 9..3")
-    fails("bench", "--dtype", "int8", code=2, says="--dtype: unknown int8")
-    fails("bench", "nope", code=2, says="unknown op 'nope'")
-
-
 def test_selftest_cpu():
     out = run("selftest", "--device", "cpu").stdout
     assert "FAIL" not in out

@@ -987,3 +987,24 @@ def test_arrays_on_different_devices():
         cukern.layer_norm(x, 8, w)
     with pytest.raises(ValueError, match="GPU"):
         cukern.rms_norm(x, 8, residual=r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7, 1), (4096, 1), (3, 5, 1)])
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("eps", [1e-5, 1e-12])
+def test_backward_over_one_element_is_exactly_zero(dtype, shape, weight, eps, rng):
+    """Layer norm over one element gives y = bias whatever x, so dx (and dweight) are exactly 0
+    (PyTorch's OpInfo sample (1,)). rstd = 1 / sqrt(eps) used to scale a rounding residue of
+    rstd * g up to 1e-4."""
+    x = cp.asarray(make(shape, dtype, rng, 5.0, 3.0))
+    dy = cp.asarray(make(shape, dtype, rng, 5.0, 1.0))
+    w = cp.asarray(make(1, dtype, rng, 1.0, 1.0)) if weight else None
+    _, mean, rstd = cukern.layer_norm(x, (1,), w, None, eps, return_stats=True)
+    assert np.array_equal(host(mean), host(x).reshape(shape[:-1]))  # the exact mean
+    poison((shape, ITEM[dtype]))
+    dx, dw, db = cukern.layer_norm_backward(dy, x, mean, rstd, w)
+    got = host(dx)
+    assert got.shape == shape and np.all(got == 0), got[got != 0][:8]
+    if weight:
+        assert np.all(host(dw) == 0)

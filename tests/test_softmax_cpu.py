@@ -236,7 +236,9 @@ def test_explain_axes_and_errors():
     with pytest.raises(ValueError, match="empty"):
         cukern.explain("softmax", (0, 4), "float32", device=H100)
     with pytest.raises(TypeError, match="device"):
-        cukern.explain("softmax", (4, 4), "float32", device="h100")
+        cukern.explain("softmax", (4, 4), "float32", device=1.5)
+    assert cukern.explain("softmax", (4, 4), "float32", device="h100") == \
+        cukern.explain("softmax", (4, 4), "float32", device=H100)  # a preset by name
 
 
 def test_explain_takes_the_command_line_spelling():

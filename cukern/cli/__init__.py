@@ -2,8 +2,9 @@
 
 The op commands (:mod:`cukern.cli.ops`: softmax, layer-norm, rms-norm; batch-norm in
 :mod:`cukern.cli.batch_norm`; permute in :mod:`cukern.cli.permute`) run on files of any size,
-in chunks; the tools (:mod:`cukern.cli.tools`: explain, info, bench, selftest, precompile) read
-the op list from :mod:`cukern.registry`. What they share, the error policy included, is in
+in chunks; the tools (:mod:`cukern.cli.tools`: explain, selftest, precompile; bench in
+:mod:`cukern.cli.bench`; info, also called doctor, in :mod:`cukern.cli.info`) read the op list
+from :mod:`cukern.registry`. What they share, the error policy included, is in
 :mod:`cukern.cli.common`.
 
 Errors are one line on stderr and exit status 2 (the files or arguments are wrong) or 1 (the
@@ -17,10 +18,12 @@ import click
 
 from .. import __version__
 from .batch_norm import batch_norm_cmd
+from .bench import bench_cmd
 from .common import HELP
+from .info import info_cmd
 from .ops import layer_norm_cmd, rms_norm_cmd, softmax_cmd
 from .permute import permute_cmd
-from .tools import bench_cmd, explain_cmd, info_cmd, precompile_cmd, selftest_cmd
+from .tools import explain_cmd, precompile_cmd, selftest_cmd
 
 __all__ = ["main", "app"]
 
@@ -55,6 +58,7 @@ def app(ctx: click.Context, debug: bool) -> None:
 for _cmd in (softmax_cmd, layer_norm_cmd, rms_norm_cmd, batch_norm_cmd, permute_cmd,
              explain_cmd, info_cmd, bench_cmd, selftest_cmd, precompile_cmd):
     app.add_command(_cmd)
+app.add_command(info_cmd, "doctor")  # the same report under the name users look for
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,7 +49,11 @@ def _command(name: str):
             ctx = click.get_current_context()
             debug = debug or bool((ctx.find_root().obj or {}).get("debug"))
             try:
-                return fn(*args, **kwargs)
+                # NaN and inf in the data are results (as on the GPU), not errors: no NumPy
+                # RuntimeWarnings for them, e.g. when float64 results are cast to float16
+                with np.errstate(invalid="ignore", over="ignore", divide="ignore",
+                                 under="ignore"):
+                    return fn(*args, **kwargs)
             except (click.exceptions.Exit, click.ClickException, click.Abort):
                 raise
             except KeyboardInterrupt:  # the outputs are already removed; 130 as shells report
@@ -101,20 +105,11 @@ def _short(err: BaseException) -> str:
 
 
 def _gpu_problem(device_id: int = 0) -> str | None:
-    """Why the GPU ``device_id`` cannot be used, or None."""
-    try:
-        import cupy
-    except ImportError as err:
-        return f"CuPy is not importable ({err}); install cukern[cuda12] or cukern[cuda13]"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as err:  # no driver, a driver too old, no device
-        return f"no CUDA GPU visible ({_short(err)})"
-    if count == 0:
-        return "no CUDA GPU visible"
-    if device_id >= count:
-        return f"GPU {device_id} does not exist ({count} visible)"
-    return None
+    """Why the GPU ``device_id`` cannot be used (no driver, a driver too old, no device), or
+    None."""
+    from .._env import gpu_problem
+
+    return gpu_problem(device_id)
 
 
 def _device(spec: str, instead: str = "--device cpu runs the NumPy reference instead"):

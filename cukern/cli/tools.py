@@ -1,4 +1,5 @@
-"""The tool commands: ``explain``, ``info``, ``bench``, ``selftest`` and ``precompile``.
+"""The tool commands ``explain``, ``selftest`` and ``precompile`` (``info`` is in
+:mod:`cukern.cli.info`, ``bench`` in :mod:`cukern.cli.bench`).
 
 ``explain``, ``bench`` and ``precompile`` check op names against :mod:`cukern.registry`;
 ``selftest`` runs :mod:`cukern._selftest` (every op of the registry) and then the command line's
@@ -7,20 +8,21 @@ own pipeline checks (:mod:`cukern.cli.checks`).
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import enum
 import itertools
 import json
+import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import click
 import numpy as np
 
-from .. import __version__, _io, registry
+from .. import registry
+from .._device import PRESETS
 from .._io import InputError, RunError
-from . import common
 from .common import (
     DTYPES,
     MOVE_DTYPES,
@@ -29,15 +31,14 @@ from .common import (
     _Fail,
     _parse_list,
     _parse_shape,
-    _short,
     _show_progress,
 )
 
-__all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_cmd"]
+__all__ = ["explain_cmd", "selftest_cmd", "precompile_cmd"]
 
 
 # ------------------------------------------------------------------------------------------
-# explain, info
+# explain
 
 
 @_command("explain")
@@ -52,8 +53,10 @@ __all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_c
 @click.option("--axis", type=int, default=None,
               help="The reduced axis (row-wise ops; default -1) or the channel axis (batch "
                    "norm; default 1).")
-@click.option("--device", default="auto", show_default=True, metavar="auto|h100|a100|gpu:N",
-              help="auto: the current GPU if one is visible, else the H100 preset.")
+@click.option("--device", default="auto", show_default=True,
+              metavar=f"auto|{'|'.join(PRESETS)}|gpu:N",
+              help="auto: the current GPU if one is visible, else the H100 preset; "
+                   f"{', '.join(PRESETS)}: a preset's occupancy model (no GPU needed).")
 @click.option("--weight", is_flag=True, help="The norm is given a weight.")
 @click.option("--bias", is_flag=True, help="The layer norm is given a bias.")
 @click.option("--residual", is_flag=True, help="The norm is given a residual.")
@@ -64,8 +67,10 @@ __all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_c
               help="Batch norm: the memory order (NHWC: channels last).")
 @click.option("--relu", is_flag=True, help="Batch norm: fused ReLU (and its mask).")
 @click.option("--addend", is_flag=True, help="Batch norm: fused add before the ReLU.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan as JSON (keys in docs/cli.md).")
 def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, eval_mode,
-                layout, relu, addend):
+                layout, relu, addend, as_json):
     """Show the kernel plan for OP on an array, without running anything.
 
     \b
@@ -77,7 +82,6 @@ def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, ev
       cukern explain batch-norm --shape 64x256x56x56 --dtype float16 --layout NHWC --relu
       cukern explain permute --shape 64x256x56x56 --dtype int8 --axes 0,2,3,1
     """
-    from .._device import DeviceSpec
     from .._explain import explain
 
     try:
@@ -86,22 +90,12 @@ def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, ev
         choices = ", ".join(s.cli_name for s in registry.OPS.values())
         raise InputError(f"unknown op {op!r}; expected one of {choices}") from None
     dims = _parse_shape(shape, "--shape")
-    presets = {"h100": DeviceSpec.h100, "a100": DeviceSpec.a100}
-    d = device.strip().lower()
-    if d == "auto":
-        spec = None
-    elif d in presets:
-        spec = presets[d]()
-    else:
-        spec = _device(device, "--device h100 or a100 plans for a preset instead")
-        if spec == "cpu":
-            raise InputError("--device cpu: explain plans GPU kernels; use auto, h100, a100 or "
-                             "gpu:N")
+    spec = _explain_device(device)
     if name == "permute":
-        click.echo(str(_explain_permute(explain, dims, dtype, axes, spec, shape, axis=axis,
-                                        weight=weight, bias=bias, residual=residual,
-                                        eval=eval_mode, relu=relu, addend=addend,
-                                        layout=layout.upper() != "NCHW")))
+        plan = _explain_permute(explain, dims, dtype, axes, spec, shape, axis=axis,
+                                weight=weight, bias=bias, residual=residual, eval=eval_mode,
+                                relu=relu, addend=addend, layout=layout.upper() != "NCHW")
+        click.echo(_plan_json(name, dims, dtype, plan) if as_json else str(plan))
         return
     if axes is not None:
         raise InputError(f"--axes is permute's; {op} takes --axis")
@@ -116,7 +110,58 @@ def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, ev
                        residual=residual, **kw)
     except (ValueError, TypeError) as err:
         raise InputError(str(err).removeprefix("explain: ")) from None
-    click.echo(str(plan))
+    click.echo(_plan_json(name, dims, dtype, plan) if as_json else str(plan))
+
+
+def _plan_json(op: str, dims, dtype: str, plan) -> str:
+    """``explain --json``: op, shape, dtype, device, the kernels launched, the plan's fields
+    (those of its dataclass, by family) and the text ``explain`` prints."""
+    if hasattr(plan, "kernel_names"):  # batch norm: a kernel a pass
+        kernels = list(plan.kernel_names())
+    elif hasattr(plan, "name_expression"):  # row-wise
+        kernels = [plan.name_expression()]
+    else:  # permute
+        kernels = [str(plan.kernel or plan.targs)]
+    fields = {f.name: _jsonable(getattr(plan, f.name)) for f in dataclasses.fields(plan)
+              if f.name != "policy"}  # the family's whole tuning table: not this plan's
+    return json.dumps({"op": op, "shape": list(dims), "dtype": dtype, "device": plan.device,
+                       "kernels": kernels, "plan": fields, "text": str(plan)}, indent=1)
+
+
+def _jsonable(v):
+    """A plan field as JSON values: dataclasses and named tuples as objects, enums by value."""
+    if isinstance(v, enum.Enum):
+        return v.value
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, tuple) and hasattr(v, "_asdict"):
+        return {k: _jsonable(x) for k, x in v._asdict().items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN or inf
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return str(v)
+
+
+def _explain_device(device: str):
+    """``explain --device``: None (auto), a preset's :class:`DeviceSpec` or a GPU id."""
+    d = device.strip().lower()
+    if d == "auto":
+        return None
+    if d in PRESETS:
+        return PRESETS[d]()
+    choices = f"auto, {', '.join(PRESETS)}, gpu or gpu:N"
+    tail = d.split(":", 1)[1] if d.startswith(("gpu:", "cuda:")) else d
+    if d not in ("gpu", "cuda") and not tail.isdigit():
+        raise InputError(f"--device {device}: expected {choices}")
+    *first, last = PRESETS
+    return _device(device, f"--device {', '.join(first)} or {last} plans for a preset instead")
 
 
 def _explain_permute(explain, dims, dtype, axes, spec, shape_text, **others):
@@ -133,218 +178,6 @@ def _explain_permute(explain, dims, dtype, axes, spec, shape_text, **others):
         raise InputError(str(err).removeprefix("explain: ")) from None
 
 
-@_command("info")
-def info_cmd():
-    """GPUs, library versions and the kernel cache."""
-    rows = [("cukern", __version__), ("NumPy", np.__version__)]
-    try:
-        import cupy
-    except ImportError as err:
-        rows.append(("CuPy", f"not importable ({err})"))
-        _table(rows)
-        return
-    rows.append(("CuPy", cupy.__version__))
-    rt = cupy.cuda.runtime
-    rows.append(("CUDA runtime", _cuda_version(rt.runtimeGetVersion)))
-    rows.append(("CUDA driver", _cuda_version(rt.driverGetVersion)))
-    try:
-        from cupy.cuda import nvrtc
-
-        major, minor = nvrtc.getVersion()
-        rows.append(("NVRTC", f"{major}.{minor}"))
-    except Exception as err:
-        rows.append(("NVRTC", f"not available ({_short(err)})"))
-    cache, files, size = _kernel_cache()
-    rows.append(("kernel cache", f"{cache} ({files} files, {_io._size(size)})"))
-    problem = common._gpu_problem()
-    if problem:
-        rows.append(("GPU", f"none: {problem}"))
-    else:
-        from .._device import DeviceSpec
-
-        for dev in range(rt.getDeviceCount()):
-            spec = DeviceSpec.from_device(dev)
-            with cupy.cuda.Device(dev):
-                free, total = rt.memGetInfo()
-            major, minor = spec.compute_capability
-            rows += [
-                (f"GPU {dev}", spec.name),
-                ("  compute", f"sm_{major}{minor}, {spec.sms} SMs"),
-                ("  memory", f"{total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"),
-                ("  shared memory", f"{spec.smem_per_block_optin // 1024} KiB per block "
-                                    f"(opt-in), {spec.smem_per_sm // 1024} KiB per SM"),
-            ]
-    _table(rows)
-
-
-def _cuda_version(get) -> str:
-    try:
-        v = get()
-    except Exception as err:
-        return f"unknown ({_short(err)})"
-    return f"{v // 1000}.{v % 1000 // 10}" if v else "none"
-
-
-def _kernel_cache() -> tuple[str, int, int]:
-    """CuPy's on-disk kernel cache (where cukern's compiled kernels live): path, files, bytes."""
-    path = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy",
-                                                            "kernel_cache")
-    files = size = 0
-    if os.path.isdir(path):
-        for entry in os.scandir(path):
-            if entry.is_file():
-                files += 1
-                size += entry.stat().st_size
-    return path, files, size
-
-
-def _table(rows) -> None:
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        click.echo(f"{k:<{width}}  {v}")
-
-
-# ------------------------------------------------------------------------------------------
-# bench
-
-
-@_command("bench")
-@click.argument("op", required=False, default="softmax", metavar="[OP]")
-@click.option("--cols", default="32..32768", show_default=True, metavar="RANGE|LIST",
-              help="Row lengths: A..B (powers of two from A to B) or a list like 1000,4096.")
-@click.option("--dtype", "dtypes", default="float16,bfloat16,float32", show_default=True,
-              metavar="LIST", help="Comma-separated dtypes.")
-@click.option("--rows", type=click.IntRange(min=1), metavar="N",
-              help="Rows of every shape (default: the harness's choice, enough to leave L2).")
-@click.option("--vs", default="torch,jax,cupyx", show_default=True, metavar="LIST",
-              help="Peers to time as well (those not installed are skipped), or none.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead.")
-@click.option("--plot", metavar="FILE.png", help="Also plot GB/s against cols into FILE.png.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def bench_cmd(op, cols, dtypes, rows, vs, as_json, plot, quiet):
-    """Time OP (default softmax) against a device copy and peers.
-
-    \b
-    Prints a table of GB/s (bytes that must move / median time) and % of a
-    same-size device copy measured in the same run, for cukern and each peer.
-      cukern bench softmax --cols 256..16384 --dtype float16 --vs torch
-    """
-    bench = importlib.import_module("cukern._bench")  # NumPy only until it runs
-    known = getattr(bench, "OPS", None) or registry.names()
-    name = op.replace("-", "_")
-    if name not in known:
-        choices = ", ".join(o.replace("_", "-") for o in known)
-        raise InputError(f"unknown op {op!r}; bench knows {choices}")
-    cols_list = _parse_cols(cols)
-    dtype_list = _parse_list(dtypes, "--dtype", DTYPES)
-    peers = () if vs.strip().lower() in ("", "none") else tuple(
-        _parse_list(vs, "--vs", None))
-    if plot is not None and not Path(plot).parent.is_dir():
-        raise InputError(f"--plot {plot}: folder {Path(plot).parent} does not exist")
-    problem = common._gpu_problem()
-    if problem:
-        raise RunError(f"{problem}; bench times GPU kernels")
-    rows_fn = (lambda c: rows) if rows else None
-    total = len(cols_list) * len(dtype_list)
-    if _show_progress(quiet):
-        with click.progressbar(length=total, label=f"bench {name}", file=sys.stderr,
-                               show_pos=True, item_show_func=lambda item: item) as bar:
-            results = bench.sweep(name, dtype_list, cols_list, rows_fn=rows_fn, vs=peers,
-                                  progress=_BenchProgress(bar))
-    else:
-        results = bench.sweep(name, dtype_list, cols_list, rows_fn=rows_fn, vs=peers,
-                              progress=None)
-    if as_json:
-        click.echo(json.dumps(results, indent=1, default=_json_default))
-    else:
-        click.echo(_bench_table(results))
-    if plot is not None:
-        bench.plot(results, plot)
-        if not as_json:
-            click.echo(f"plot: {plot}", err=True)
-
-
-class _BenchProgress:
-    """Progress callback for ``_bench.sweep``, which reports each measurement as a dict: the
-    bar counts (dtype, cols) shapes and shows the one being measured."""
-
-    def __init__(self, bar):
-        self.bar = bar
-        self.shape = None
-
-    def __call__(self, result: dict) -> None:
-        shape = (result.get("dtype"), result.get("cols"))
-        if self.shape is not None and shape != self.shape:
-            self.bar.update(1)
-        self.shape = shape
-        self.bar.current_item = f"{shape[0]} cols={shape[1]}"
-        self.bar.render_progress()
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    return str(o)
-
-
-def _parse_cols(text: str) -> list[int]:
-    t = text.replace(" ", "")
-    try:
-        if ".." in t:
-            a, b = (int(v) for v in t.split("..", 1))
-            if not 1 <= a <= b:
-                raise ValueError
-            out = []
-            while a <= b:
-                out.append(a)
-                a *= 2
-            return out
-        out = [int(v) for v in t.split(",") if v]
-        if not out or min(out) < 1:
-            raise ValueError
-        return out
-    except ValueError:
-        raise InputError(f"--cols {text}: expected A..B (like 32..32768) or a list like "
-                         f"1000,4096") from None
-
-
-def _bench_table(results: list[dict]) -> str:
-    """One line per (op, dtype, rows, cols): GB/s and % of copy for cukern and each peer."""
-    if not results:
-        return "no results"
-    key = ("op", "dtype", "rows", "cols")
-    peers: list[str] = []
-    groups: dict[tuple, dict[str, dict]] = {}
-    for r in results:
-        peer = r.get("peer") or "cukern"
-        if peer not in peers:
-            peers.append(peer)
-        groups.setdefault(tuple(r.get(k) for k in key), {})[peer] = r
-    for first in ("copy", "cukern"):  # cukern, then the copy it is measured against
-        if first in peers:
-            peers.remove(first)
-            peers.insert(0, first)
-    head = ["op", "dtype", "rows", "cols"] + [f"{p} GB/s  %copy" for p in peers]
-    lines = [head]
-    for k, by_peer in groups.items():
-        cells = [str(v) for v in k]
-        for p in peers:
-            r = by_peer.get(p)
-            if r is None or r.get("gbps") is None:
-                cells.append("-")
-            elif r.get("error") or r["gbps"] != r["gbps"]:  # NaN: the peer failed this shape
-                cells.append("failed")
-            else:
-                pct = r.get("pct_copy")
-                cells.append(f"{r['gbps']:7.1f}  {pct:5.1f}%" if pct is not None
-                             else f"{r['gbps']:7.1f}")
-        lines.append(cells)
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i >= 2 else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-                     for row in lines)
-
-
 # ------------------------------------------------------------------------------------------
 # selftest, precompile
 
@@ -355,7 +188,9 @@ def _bench_table(results: list[dict]) -> str:
 @click.option("--dtype", "dtypes", default=",".join(DTYPES), show_default=True, metavar="LIST",
               help="Comma-separated dtypes to test.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def selftest_cmd(device, dtypes, seed):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the checks as JSON instead of the table (keys in docs/cli.md).")
+def selftest_cmd(device, dtypes, seed, as_json):
     """Run every op and kernel variant on random data against the NumPy references.
 
     \b
@@ -373,29 +208,40 @@ def selftest_cmd(device, dtypes, seed):
 
     dtype_list = _parse_list(dtypes, "--dtype", DTYPES)
     dev = _device(device, "selftest --device cpu checks the NumPy reference path instead")
-    failed = total = 0
     header = f"{'op':<22} {'variant':<24} {'dtype':<9} {'shape':<14} {'error':>9} " \
              f"{'tol':>8}  result"
-    click.echo(header)
+    if not as_json:
+        click.echo(header)
     app = click.get_current_context().find_root().command  # the group running this command
     rows = itertools.chain(_selftest.run(dev, dtype_list, seed),
                            pipeline_checks(app, dev, dtype_list, seed))
+    checks = []
     for row in rows:
-        ok = row["ok"]
-        failed += not ok
-        total += 1
-        err = row.get("error")
-        err_txt = f"{err:9.2e}" if isinstance(err, float) else f"{'-':>9}"
-        tol = row.get("tol")
-        tol_txt = f"{tol:8.1e}" if isinstance(tol, float) else f"{'-':>8}"
-        line = (f"{row['op']:<22} {row['variant']:<24} {row['dtype']:<9} "
-                f"{row['shape']:<14} {err_txt} {tol_txt}  {'pass' if ok else 'FAIL'}")
-        if row.get("note"):
-            line += f"  ({row['note']})"
-        click.echo(line)
-    click.echo(f"{total - failed} passed, {failed} failed")
+        checks.append({k: _jsonable(row.get(k)) for k in SELFTEST_KEYS})
+        if not as_json:
+            click.echo(_selftest_line(row))
+    total, failed = len(checks), sum(not c["ok"] for c in checks)
+    if as_json:
+        click.echo(json.dumps({"device": "cpu" if dev == "cpu" else f"gpu:{dev}",
+                               "dtypes": dtype_list, "seed": seed, "passed": total - failed,
+                               "failed": failed, "checks": checks}, indent=1))
+    else:
+        click.echo(f"{total - failed} passed, {failed} failed")
     if failed:
         raise _Fail(f"selftest: {failed} of {total} checks failed", 1)
+
+
+# selftest --json: the keys of every check (None where a check has no such value)
+SELFTEST_KEYS = ("op", "variant", "dtype", "shape", "error", "tol", "ok", "note")
+
+
+def _selftest_line(row: dict) -> str:
+    err, tol = row.get("error"), row.get("tol")
+    err_txt = f"{err:9.2e}" if isinstance(err, float) else f"{'-':>9}"
+    tol_txt = f"{tol:8.1e}" if isinstance(tol, float) else f"{'-':>8}"
+    line = (f"{row['op']:<22} {row['variant']:<24} {row['dtype']:<9} "
+            f"{row['shape']:<14} {err_txt} {tol_txt}  {'pass' if row['ok'] else 'FAIL'}")
+    return line + (f"  ({row['note']})" if row.get("note") else "")
 
 
 @_command("precompile")
