@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from ._device import DeviceSpec
+from ._device import DeviceSpec, UnsupportedDeviceError
 from ._explain import explain
 from .ops.batch_norm import batch_norm, batch_norm_backward, batch_stats
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceSpec",
     "Plan",
     "Switches",
+    "UnsupportedDeviceError",
     "Variant",
     "batch_norm",
     "batch_norm_backward",

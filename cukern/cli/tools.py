@@ -52,7 +52,7 @@ __all__ = ["explain_cmd", "info_cmd", "bench_cmd", "selftest_cmd", "precompile_c
 @click.option("--axis", type=int, default=None,
               help="The reduced axis (row-wise ops; default -1) or the channel axis (batch "
                    "norm; default 1).")
-@click.option("--device", default="auto", show_default=True, metavar="auto|h100|a100|gpu:N",
+@click.option("--device", default="auto", show_default=True, metavar="auto|h100|a100|t4|v100|gpu:N",
               help="auto: the current GPU if one is visible, else the H100 preset.")
 @click.option("--weight", is_flag=True, help="The norm is given a weight.")
 @click.option("--bias", is_flag=True, help="The layer norm is given a bias.")
@@ -70,7 +70,7 @@ def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, ev
 
     \b
     OP is one of the planner's ops, e.g. softmax, log-softmax, softmax-backward, layer-norm.
-    Works with no GPU: the H100 and A100 presets plan from an occupancy model.
+    Works with no GPU: the H100, A100, T4 and V100 presets plan from an occupancy model.
     \b
       cukern explain softmax --shape 49152x1000 --dtype float16
       cukern explain layer-norm --shape 2048x65536 --dtype float16 --weight --residual
@@ -86,17 +86,18 @@ def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, ev
         choices = ", ".join(s.cli_name for s in registry.OPS.values())
         raise InputError(f"unknown op {op!r}; expected one of {choices}") from None
     dims = _parse_shape(shape, "--shape")
-    presets = {"h100": DeviceSpec.h100, "a100": DeviceSpec.a100}
+    presets = {"h100": DeviceSpec.h100, "a100": DeviceSpec.a100, "t4": DeviceSpec.t4,
+               "v100": DeviceSpec.v100}
     d = device.strip().lower()
     if d == "auto":
         spec = None
     elif d in presets:
         spec = presets[d]()
     else:
-        spec = _device(device, "--device h100 or a100 plans for a preset instead")
+        spec = _device(device, "--device h100, a100, t4 or v100 plans for a preset instead")
         if spec == "cpu":
-            raise InputError("--device cpu: explain plans GPU kernels; use auto, h100, a100 or "
-                             "gpu:N")
+            raise InputError("--device cpu: explain plans GPU kernels; use auto, h100, a100, t4, "
+                             "v100 or gpu:N")
     if name == "permute":
         click.echo(str(_explain_permute(explain, dims, dtype, axes, spec, shape, axis=axis,
                                         weight=weight, bias=bias, residual=residual,
@@ -163,7 +164,7 @@ def info_cmd():
         from .._device import DeviceSpec
 
         for dev in range(rt.getDeviceCount()):
-            spec = DeviceSpec.from_device(dev)
+            spec = DeviceSpec.from_device(dev, check=False)  # reported, not refused
             with cupy.cuda.Device(dev):
                 free, total = rt.memGetInfo()
             major, minor = spec.compute_capability
@@ -174,6 +175,10 @@ def info_cmd():
                 ("  shared memory", f"{spec.smem_per_block_optin // 1024} KiB per block "
                                     f"(opt-in), {spec.smem_per_sm // 1024} KiB per SM"),
             ]
+            try:
+                spec.check_supported()
+            except RuntimeError as err:
+                rows.append(("  supported", f"no: {err}"))
     _table(rows)
 
 
