@@ -184,8 +184,9 @@ for key in inputs:
 np.savez(sys.argv[2], **outs)
 """
 
-# warp (100), block with a row cache (4096, 12288), cluster or uncached (70000, 262144)
-SHAPES = [(64, 100), (64, 4096), (16, 12288), (8, 70000), (8, 262144)]
+# warp (100), block with a row cache (4096), block or cluster (70000), cluster or uncached
+# (262144) on an H100. A cold kernel cache compiles some 200 kernels a build, one after another
+SHAPES = [(64, 100), (64, 4096), (8, 70000), (8, 262144)]
 FB_DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
 
@@ -247,7 +248,7 @@ def test_ops_with_forced_fallbacks_match_bit_for_bit(tmp_path, rng):
     np.savez(inputs, **_inputs(rng))
     normal = _run(tmp_path, inputs, False)
     forced = _run(tmp_path, inputs, True)
-    assert normal.keys() == forced.keys() and len(normal) > 300, len(normal)
+    assert normal.keys() == forced.keys() and len(normal) > 250, len(normal)
     differ = []
     for key, ref in normal.items():
         got = forced[key]
