@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import _env  # noqa: F401  first: makes CuPy's kernel-cache folder work (see _env)
 from ._capture import capture_memory_bytes, release_capture_memory
-from ._device import DeviceSpec
+from ._device import DeviceSpec, UnsupportedDeviceError
 from ._explain import explain
 from .ops.batch_norm import batch_norm, batch_norm_backward, batch_stats
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
@@ -24,6 +24,7 @@ __all__ = [
     "DeviceSpec",
     "Plan",
     "Switches",
+    "UnsupportedDeviceError",
     "Variant",
     "batch_norm",
     "batch_norm_backward",

@@ -8,18 +8,26 @@ cache, keyed by that text, is invalidated by an edit to any kernel file. One
 :func:`compile_check` compiles name expressions with NVRTC for a given architecture without a
 GPU (CuPy's own compile path asks the driver for the device's architecture, so it calls NVRTC
 through CuPy's bindings directly).
+
+With ``CUKERN_FORCE_FALLBACKS=1`` in the environment, every kernel is compiled with
+``-DCUKERN_FORCE_FALLBACKS``: the code paths written for GPUs before Ampere (sm_70, sm_75) in place
+of ``max.NaN``, ``cvt.rn.bf16.f32`` and ``cp.async``, so a newer GPU can test them. The option is
+part of CuPy's cache key, so forced and normal builds are cached apart.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 from pathlib import Path
 
-__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "warm_cache", "NVRTC_OPTIONS"]
+__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "warm_cache", "NVRTC_OPTIONS",
+           "FORCE_FALLBACKS_ENV", "fallbacks_forced", "nvrtc_options"]
 
 NVRTC_OPTIONS = ("-std=c++17",)
+FORCE_FALLBACKS_ENV = "CUKERN_FORCE_FALLBACKS"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _lock = threading.Lock()
 _kernels: dict[tuple, object] = {}
@@ -32,6 +40,19 @@ def kernel_dir() -> Path:
         if (candidate / "types.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"cukern: kernel sources not found beside {here}")
+
+
+def fallbacks_forced() -> bool:
+    """Whether ``CUKERN_FORCE_FALLBACKS`` asks for the pre-Ampere fallbacks (set, not 0)."""
+    return os.environ.get(FORCE_FALLBACKS_ENV, "").strip() not in ("", "0")
+
+
+def nvrtc_options(fallbacks: bool | None = None) -> tuple[str, ...]:
+    """NVRTC options of a kernel build: ``NVRTC_OPTIONS``, plus ``-DCUKERN_FORCE_FALLBACKS``
+    where ``fallbacks`` (None: :func:`fallbacks_forced`)."""
+    if fallbacks is None:
+        fallbacks = fallbacks_forced()
+    return (*NVRTC_OPTIONS, "-DCUKERN_FORCE_FALLBACKS") if fallbacks else NVRTC_OPTIONS
 
 
 @functools.cache
@@ -55,8 +76,10 @@ def source(family: str) -> str:
 
 
 def get_kernel(family: str, name: str, device_id: int):
-    """The compiled ``cupy.RawKernel`` for one instantiation on one device (cached)."""
-    key = (family, name, device_id)
+    """The compiled ``cupy.RawKernel`` for one instantiation on one device (cached), built with
+    :func:`nvrtc_options` (the environment's ``CUKERN_FORCE_FALLBACKS``)."""
+    options = nvrtc_options()
+    key = (family, name, device_id, options)
     kern = _kernels.get(key)
     if kern is not None:
         return kern
@@ -66,7 +89,7 @@ def get_kernel(family: str, name: str, device_id: int):
         kern = _kernels.get(key)
         if kern is None:
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(code=source(family), options=NVRTC_OPTIONS,
+                module = cupy.RawModule(code=source(family), options=options,
                                         name_expressions=[name])
                 kern = module.get_function(name)
             _kernels[key] = kern
@@ -83,11 +106,13 @@ def check_options() -> tuple[str, ...]:
     return ("-Ofc=max",) if nvrtc.getVersion() >= (12, 8) else ()
 
 
-def compile_check(family: str, names, arch: str = "sm_90") -> dict[str, str]:
+def compile_check(family: str, names, arch: str = "sm_90",
+                  fallbacks: bool | None = None) -> dict[str, str]:
     """Compile ``names`` (C++ name expressions from ``kernels/<family>.cuh``) with NVRTC for
-    ``arch`` (``sm_80``, ``sm_90``, ...) without a GPU, through ptxas to machine code, at NVRTC's
-    fast-compile level (:func:`check_options`). Returns name -> mangled symbol; raises
-    ``RuntimeError`` with the compiler log on failure."""
+    ``arch`` (``sm_75``, ``sm_80``, ``sm_90``, ...) without a GPU, with the pre-Ampere fallbacks
+    forced where ``fallbacks`` (None: the environment, :func:`nvrtc_options`), through ptxas to
+    machine code at NVRTC's fast-compile level (:func:`check_options`). Returns name -> mangled
+    symbol; raises ``RuntimeError`` with the compiler log on failure."""
     from cupy.cuda import nvrtc
 
     names = list(names)
@@ -96,7 +121,7 @@ def compile_check(family: str, names, arch: str = "sm_90") -> dict[str, str]:
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *check_options(), f"-arch={arch}"])
+            nvrtc.compileProgram(prog, [*nvrtc_options(fallbacks), *check_options(), f"-arch={arch}"])
         except nvrtc.NVRTCError as err:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"NVRTC failed for {family} on {arch}: {err}\n{log}") from None

@@ -2,7 +2,12 @@
 
 A :class:`DeviceSpec` is a frozen description of a GPU: enough to plan kernels. It comes from a
 real device (:meth:`DeviceSpec.from_device`) or from a preset (:meth:`DeviceSpec.h100`,
-:meth:`DeviceSpec.a100`) so plans can be inspected on a machine with no GPU.
+:meth:`DeviceSpec.a100`, :meth:`DeviceSpec.t4`, :meth:`DeviceSpec.v100`) so plans can be inspected
+on a machine with no GPU.
+
+The oldest GPU cukern runs on (:func:`min_compute_capability`) is a Turing (sm_75) with CUDA 13's
+NVRTC, which no longer compiles for Volta, and a Volta (sm_70) with CUDA 12's. A live device
+below it raises :class:`UnsupportedDeviceError` before any kernel is compiled.
 
 Occupancy (resident blocks per multiprocessor) is what the planner asks of a device. On a real
 device the CUDA driver answers for the compiled kernel; a preset answers from a model of the
@@ -23,7 +28,26 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DeviceSpec", "PRESETS"]
+__all__ = ["DeviceSpec", "PRESETS", "UnsupportedDeviceError", "min_compute_capability"]
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """A GPU older than cukern's minimum for the NVRTC it runs with (min_compute_capability)."""
+
+
+@functools.cache
+def _nvrtc_major() -> int:
+    from cupy.cuda import nvrtc
+
+    return int(nvrtc.getVersion()[0])
+
+
+def min_compute_capability(nvrtc_major: int | None = None) -> tuple[int, int]:
+    """The oldest compute capability cukern supports with NVRTC of this major version (the one
+    CuPy loads by default): (7, 5) with CUDA 13 and newer, whose NVRTC dropped sm_70; (7, 0)
+    with CUDA 12."""
+    major = _nvrtc_major() if nvrtc_major is None else nvrtc_major
+    return (7, 5) if major >= 13 else (7, 0)
 
 
 @dataclass(frozen=True)
@@ -76,9 +100,37 @@ class DeviceSpec:
         return PRESETS[key]()
 
     @classmethod
-    def from_device(cls, device_id: int | None = None) -> DeviceSpec:
-        """The spec of a live CUDA device (the current one by default)."""
-        return _live_spec(_current_device_id() if device_id is None else int(device_id))
+    def t4(cls) -> DeviceSpec:
+        """NVIDIA T4 (Turing, sm_75): 40 SMs, 1024 threads and 64 KiB of shared memory per SM,
+        all of it for one block."""
+        return cls("NVIDIA Tesla T4 (preset)", (7, 5), 40, 1024, 16, 65536, 65536, 0)
+
+    @classmethod
+    def v100(cls) -> DeviceSpec:
+        """NVIDIA V100 SXM2 (Volta, sm_70): 80 SMs, 96 KiB of shared memory per block (opt-in)."""
+        return cls("NVIDIA Tesla V100-SXM2 (preset)", (7, 0), 80, 2048, 32, 98304, 98304, 0)
+
+    @classmethod
+    def from_device(cls, device_id: int | None = None, check: bool = True) -> DeviceSpec:
+        """The spec of a live CUDA device (the current one by default). ``check``: raise
+        :class:`UnsupportedDeviceError` for a GPU below :func:`min_compute_capability`."""
+        device_id = _current_device_id() if device_id is None else int(device_id)
+        return supported_spec(device_id) if check else _live_spec(device_id)
+
+    def check_supported(self) -> None:
+        """Raise :class:`UnsupportedDeviceError`, naming the GPU, its compute capability and the
+        minimum, where this device is older than :func:`min_compute_capability`."""
+        least = min_compute_capability()
+        if tuple(self.compute_capability) >= least:
+            return
+        cc = "{}.{}".format(*self.compute_capability)
+        where = "" if self.device_id is None else f"GPU {self.device_id} "
+        extra = " (CUDA 13's NVRTC no longer compiles for sm_70; cukern[cuda12] supports 7.0)" \
+            if least == (7, 5) and tuple(self.compute_capability) >= (7, 0) else ""
+        raise UnsupportedDeviceError(
+            f"cukern: {where}{self.name!r} has compute capability {cc} ({self.arch}); cukern "
+            f"needs {least[0]}.{least[1]} (sm_{least[0]}{least[1]}) or newer with this NVRTC "
+            f"{_nvrtc_major()}.x{extra}")
 
     def model_occupancy(self, threads: int, smem: int) -> int:
         """Resident blocks per SM from threads and dynamic shared memory (see module doc)."""
@@ -88,7 +140,8 @@ class DeviceSpec:
             return 0
         warps_threads = -(-threads // 32) * 32
         blocks = min(self.max_blocks_per_sm, self.max_threads_per_sm // warps_threads)
-        blocks = min(blocks, self.smem_per_sm // (smem + self.reserved_smem_per_block))
+        if smem + self.reserved_smem_per_block > 0:  # no block reserve before sm_80
+            blocks = min(blocks, self.smem_per_sm // (smem + self.reserved_smem_per_block))
         return max(blocks, 0)
 
     def describe(self) -> str:
@@ -104,6 +157,8 @@ PRESETS: dict[str, Callable[[], DeviceSpec]] = {
     "h100": DeviceSpec.h100,
     "h200": DeviceSpec.h200,
     "a100": DeviceSpec.a100,
+    "t4": DeviceSpec.t4,
+    "v100": DeviceSpec.v100,
 }
 
 
@@ -111,6 +166,15 @@ def _current_device_id() -> int:
     import cupy
 
     return cupy.cuda.runtime.getDevice()
+
+
+@functools.cache
+def supported_spec(device_id: int) -> DeviceSpec:
+    """The live spec of a device cukern supports (else UnsupportedDeviceError), cached: what the
+    ops plan with, checked before any kernel of theirs is compiled."""
+    spec = _live_spec(device_id)
+    spec.check_supported()
+    return spec
 
 
 @functools.cache
@@ -129,6 +193,7 @@ def _live_spec(device_id: int) -> DeviceSpec:
         max_blocks_per_sm=int(props.get("maxBlocksPerMultiProcessor", 32)),
         smem_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
         smem_per_block_optin=attrs["MaxSharedMemoryPerBlockOptin"],
-        reserved_smem_per_block=int(props.get("reservedSharedMemPerBlock", 1024)),
+        reserved_smem_per_block=int(props.get("reservedSharedMemPerBlock",
+                                              1024 if props["major"] >= 8 else 0)),
         device_id=device_id,
     )

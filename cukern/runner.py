@@ -306,7 +306,8 @@ def align_elems(item: int, pointers, strides) -> int:
 
 
 def device_spec(device_id: int) -> _device.DeviceSpec:
-    return _device._live_spec(device_id)
+    """The device's spec; UnsupportedDeviceError below cukern's minimum GPU (before compiling)."""
+    return _device.supported_spec(device_id)
 
 
 def _context_current() -> None:

@@ -3,6 +3,14 @@
 // types converted with PTX instructions, so the compile check needs nothing but NVRTC itself.
 #pragma once
 
+// GPUs before Ampere (sm_70, sm_75) lack three sm_80 instructions the kernels use: max.NaN,
+// cvt.rn.bf16.f32 and cp.async (memory.cuh). CUKERN_FALLBACKS selects equivalents built from
+// older instructions, bit for bit the same results; -DCUKERN_FORCE_FALLBACKS takes them on any
+// GPU, so they can be tested on a newer one.
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800) || defined(CUKERN_FORCE_FALLBACKS)
+#define CUKERN_FALLBACKS 1
+#endif
+
 namespace cukern {
 
 typedef long long i64;
@@ -61,7 +69,17 @@ template <> struct Num<bf16> {
   }
   static __device__ __forceinline__ bf16 from(float v) {
     bf16 h;
+#ifdef CUKERN_FALLBACKS
+    // cvt.rn.bf16.f32 in integer arithmetic: round to nearest even by adding 0x7fff plus the
+    // lowest kept bit, then truncating (past the largest finite value the carry reaches
+    // infinity, subnormals stay); a NaN gives the canonical NaN, as cvt does.
+    const unsigned u = __float_as_uint(v);
+    h.bits = (u & 0x7fffffffu) > 0x7f800000u
+                 ? static_cast<unsigned short>(0x7fffu)
+                 : static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));  // sm_80 and newer
+#endif
     return h;
   }
 };
@@ -99,9 +117,21 @@ template <typename C> __device__ __forceinline__ C max_nan(C a, C b) {
   return (a > b || a != a) ? a : b;
 }
 template <> __device__ __forceinline__ float max_nan(float a, float b) {
+#ifdef CUKERN_FALLBACKS
+  // max.NaN in integer arithmetic (float compares flush subnormals under CuPy's -ftz=true):
+  // the canonical NaN where either is NaN, else the larger by a map of the bits that orders
+  // floats as numbers with -0 below +0, so max(+0, -0) = +0 either way round.
+  const unsigned ua = __float_as_uint(a), ub = __float_as_uint(b);
+  if ((ua & 0x7fffffffu) > 0x7f800000u || (ub & 0x7fffffffu) > 0x7f800000u) {
+    return __uint_as_float(0x7fffffffu);
+  }
+  const unsigned ka = ua >> 31 ? ~ua : ua | 0x80000000u, kb = ub >> 31 ? ~ub : ub | 0x80000000u;
+  return ka >= kb ? a : b;
+#else
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));  // NaN: the canonical NaN
   return r;
+#endif
 }
 // max_nan, commutative bit for bit (for a state's merge): max(+0, -0) = +0 either way round, and
 // the NaN it returns does not depend on the order (a + b would keep either NaN's payload).

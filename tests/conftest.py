@@ -247,13 +247,15 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
 
 # ---------------------------------------------------------------------------------------------
 # NVRTC compile checks without a GPU: every kernel instantiation a family's planner can reach
-# (registry.kernel_names), compiled for sm_80 and sm_90. A test marked ``nvrtc(family)`` and
-# parametrised by ``arch`` gets its programs (one a source and dtype, split into near-equal
-# parts of at most NVRTC_CHUNK names) submitted to one pool of processes when collection ends,
+# (registry.kernel_names), compiled for sm_75, sm_80 and sm_90. A test marked
+# ``nvrtc(family)`` and parametrised by ``arch`` gets its programs (one a source and dtype,
+# split into near-equal parts of at most NVRTC_CHUNK names) submitted to one pool of processes
+# when collection ends,
 # the largest first: they compile while the tests before it run, and no core waits at the end
 # of one test for the last program of another. The test then waits for them (nvrtc_results).
 
-NVRTC_ARCHS = {"sm_80": "a100", "sm_90": "h100"}  # the device model whose plans each compiles
+# the device model whose plans each compiles; sm_75 (Turing) compiles the pre-Ampere fallbacks
+NVRTC_ARCHS = {"sm_75": "t4", "sm_80": "a100", "sm_90": "h100"}
 NVRTC_CHUNK = 64  # names a program: a part takes ~10-20 s on a core; the front end ~0.2 s
 _nvrtc_pool: cf.ProcessPoolExecutor | None = None
 _nvrtc_jobs: dict[tuple[str, str], list] = {}  # (family, arch) -> [(source, dtype, names, job)]
@@ -311,7 +313,8 @@ def nvrtc_results(family: str, arch: str) -> list[tuple[str, str, list[str], dic
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "nvrtc(family): compiles the family's instantiations "
-                            "(parametrised by arch; see nvrtc_results)")
+                            "(parametrised by arch; see nvrtc_results); nvrtc alone: a test "
+                            "that calls NVRTC itself")
 
 
 def pytest_collection_finish(session):
@@ -320,7 +323,7 @@ def pytest_collection_finish(session):
     wanted = []
     for item in session.items:
         mark = item.get_closest_marker("nvrtc")
-        if mark is not None:
+        if mark is not None and mark.args:  # nvrtc without a family: a compile of its own
             wanted.append((mark.args[0], item.callspec.params["arch"]))
     _nvrtc_submit(wanted)
 

@@ -1,7 +1,8 @@
 """Batch-norm tests that need no GPU: layouts from strides, the planner's choices at their
 edges, the kernels' index arithmetic (fast division, the elementwise passes' channel tracking,
-the mask's bit layout), NVRTC compilation of every reachable instantiation for sm_80 and sm_90,
-``explain``, the registry entries and the argument checks that run before any GPU work."""
+the mask's bit layout), NVRTC compilation of every reachable instantiation for sm_75, sm_80
+and sm_90, ``explain``, the registry entries and the argument checks that run before any GPU
+work."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from cukern.families import batch_norm as fam
 from cukern.plan import HOPPER, ITEMSIZE
 from cukern.plan import batch_norm as bp
 
-from .conftest import nvrtc_results
+from .conftest import NVRTC_ARCHS, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -547,11 +548,11 @@ def test_reachable_covers_planner_output():
 
 
 @pytest.mark.nvrtc("batch_norm")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", list(NVRTC_ARCHS))
 def test_every_reachable_instantiation_compiles(arch):
     # every kernel the family's ops can launch, compiled in the background since collection
     # ended (conftest.nvrtc_results)
-    device = H100 if arch == "sm_90" else A100
+    device = getattr(DeviceSpec, NVRTC_ARCHS[arch])()  # the device model the check plans for
     lowered = {}
     for source, _, names, result in nvrtc_results("batch_norm", arch):
         assert source == "batch_norm" and set(result) == set(names)

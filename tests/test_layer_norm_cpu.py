@@ -18,7 +18,7 @@ from cukern.ops import layer_norm as ln
 from cukern.plan import HOPPER, Switches, Variant, plan_rowwise, replace
 from cukern.registry import policy
 
-from .conftest import col_sums_expected, nvrtc_results
+from .conftest import NVRTC_ARCHS, col_sums_expected, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -723,12 +723,12 @@ def test_reachable_sets():
 
 
 @pytest.mark.nvrtc("norm")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", list(NVRTC_ARCHS))
 def test_every_reachable_instantiation_compiles(arch):
     # every kernel each op can launch, by kernel source (forward "layer_norm", backward
     # "layer_norm_grad", with its auxiliary kernels), compiled in the background since
     # collection ended (conftest.nvrtc_results: a source's names of a dtype in a few programs)
-    device = H100 if arch == "sm_90" else A100
+    device = getattr(DeviceSpec, NVRTC_ARCHS[arch])()  # the device model the check plans for
     lowered = {}
     for source, _, names, result in nvrtc_results("norm", arch):
         assert set(result) == set(names), source

@@ -2,7 +2,7 @@
 property (the same pairs of input and output elements), the planner's choices at its regime
 edges (copy, tile, flat runs, general; vector widths by alignment; 32- and 64-bit indices),
 the kernel argument structs, shared-memory banks of the default tiles, NVRTC compilation of
-every reachable instantiation for sm_80 and sm_90, ``explain``, the registry entry, the
+every reachable instantiation for sm_75, sm_80 and sm_90, ``explain``, the registry entry, the
 reference and the argument checks that run before any GPU work."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cukern.plan import HOPPER
 from cukern.plan import permute as pp
 from cukern.plan.permute import Dim
 
-from .conftest import nvrtc_results
+from .conftest import NVRTC_ARCHS, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -453,14 +453,14 @@ def test_default_tiles_gather_without_bank_conflicts(itemsize):
 
 
 # ---------------------------------------------------------------------------------------------
-# NVRTC: every reachable instantiation compiles for sm_80 and sm_90.
+# NVRTC: every reachable instantiation compiles for sm_75, sm_80 and sm_90.
 
 @pytest.mark.nvrtc("permute")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", list(NVRTC_ARCHS))
 def test_every_reachable_instantiation_compiles(arch):
     # compiled in the background since collection ended (conftest.nvrtc_results): the
     # family's names are the same for every dtype, so they come in the first dtype's programs
-    device = H100 if arch == "sm_90" else A100
+    device = getattr(DeviceSpec, NVRTC_ARCHS[arch])()  # the device model the check plans for
     lowered = {}
     for source, _, names, result in nvrtc_results("permute", arch):
         assert source == "permute" and set(result) == set(names)

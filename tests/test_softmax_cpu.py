@@ -16,7 +16,7 @@ from cukern._device import DeviceSpec
 from cukern.ops import softmax as softmax_ops
 from cukern.plan import HOPPER, Variant, plan_rowwise
 
-from .conftest import nvrtc_results
+from .conftest import NVRTC_ARCHS, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -283,15 +283,15 @@ def test_model_occupancy():
 
 
 # ---------------------------------------------------------------------------------------------
-# NVRTC: every instantiation the planner can produce compiles for Ampere and Hopper.
+# NVRTC: every instantiation the planner can produce compiles for Turing, Ampere and Hopper.
 
 @pytest.mark.nvrtc("softmax")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", list(NVRTC_ARCHS))
 def test_every_reachable_instantiation_compiles(arch):
     # every kernel the softmax ops can launch, compiled in the background since collection
     # ended (conftest.nvrtc_results): the kernels take the group width and block size at run
     # time, so one (op, dtype) alone reaches fewer than 100 instantiations
-    device = H100 if arch == "sm_90" else A100
+    device = getattr(DeviceSpec, NVRTC_ARCHS[arch])()  # the device model the check plans for
     lowered = {}
     for source, _, names, result in nvrtc_results("softmax", arch):
         assert source == "softmax"

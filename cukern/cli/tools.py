@@ -75,7 +75,7 @@ def explain_cmd(op, shape, dtype, axes, axis, device, weight, bias, residual, ev
 
     \b
     OP is one of the planner's ops, e.g. softmax, log-softmax, softmax-backward, layer-norm.
-    Works with no GPU: the H100 and A100 presets plan from an occupancy model.
+    Works with no GPU: the H100, A100, T4 and V100 presets plan from an occupancy model.
     \b
       cukern explain softmax --shape 49152x1000 --dtype float16
       cukern explain layer-norm --shape 2048x65536 --dtype float16 --weight --residual

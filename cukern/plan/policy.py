@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-__all__ = ["Tuning", "OpPolicy", "HOPPER", "AMPERE", "tuning_for"]
+__all__ = ["Tuning", "OpPolicy", "HOPPER", "AMPERE", "TURING", "VOLTA", "tuning_for"]
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,10 @@ class Tuning:
 HOPPER = Tuning("sm_90")
 # Ampere has no clusters; the rest is not separately tuned (the H100 table).
 AMPERE = replace(HOPPER, arch="sm_80")
-_TABLES = {(9, 0): HOPPER, (8, 0): AMPERE}
+# Turing and Volta (the planner gives them no clusters either): Ampere's table, not tuned on them.
+TURING = replace(AMPERE, arch="sm_75")
+VOLTA = replace(AMPERE, arch="sm_70")
+_TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 
 
 def tuning_for(device) -> Tuning:
