@@ -121,7 +121,8 @@ def compile_check(family: str, names, arch: str = "sm_90",
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*nvrtc_options(fallbacks), *check_options(), f"-arch={arch}"])
+            options = [*nvrtc_options(fallbacks), *check_options(), f"-arch={arch}"]
+            nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as err:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"NVRTC failed for {family} on {arch}: {err}\n{log}") from None

@@ -60,9 +60,9 @@ def test_explain_device_presets():
     # the Python API takes the same names
     assert cukern.explain("softmax", (8, 1000), "float16", device="h200").device == \
         _device.DeviceSpec.h200().name
-    with pytest.raises(ValueError, match="unknown device preset 'v100'; expected one of "
-                                         "h100, h200, a100"):
-        cukern.explain("softmax", (8, 1000), "float16", device="v100")
+    with pytest.raises(ValueError, match="unknown device preset 'p100'; expected one of "
+                                         "h100, h200, a100, t4, v100"):
+        cukern.explain("softmax", (8, 1000), "float16", device="p100")
 
 
 @pytest.mark.parametrize("args, kernel", [

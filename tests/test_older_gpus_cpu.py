@@ -16,7 +16,7 @@ import pytest
 from cukern import _compile, _device, registry, runner
 from cukern import plan as planner
 from cukern._device import DeviceSpec, UnsupportedDeviceError
-from cukern.plan import Switches, Variant, plan_rowwise, tuning_for
+from cukern.plan import Variant, plan_rowwise, tuning_for
 from cukern.plan import batch_norm as bp
 from cukern.plan import permute as pp
 
