@@ -68,7 +68,14 @@ def warm_family(family: str) -> None:
         assert ops, f"no ops in family {family!r}"
         by_source = registry.kernel_names(ops, DTYPES, spec)
         names = sorted((source, n) for source, kernels in by_source.items() for n in kernels)
-        _warmed[family] = _compile.warm_cache(names, spec.device_id)
+        # each compiling process opens a context on the GPU: give back what earlier tests'
+        # arrays left in CuPy's pools (tens of GB after the tests past 2^31 elements)
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+        _warmed[family] = _compile.warm_cache(names, spec.device_id,
+                                              processes=min(8, os.cpu_count() or 1))
     errors = _warmed[family]
     assert not errors, f"{len(errors)} {family} kernels failed to compile: {errors[:3]}"
 
