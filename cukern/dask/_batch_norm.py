@@ -7,6 +7,7 @@ from __future__ import annotations
 import dask
 import dask.array as da
 import numpy as np
+from dask.highlevelgraph import HighLevelGraph
 
 from .. import reference, runner
 from ..ops.batch_norm import _flag, _momentum, _param_dtypes
@@ -14,7 +15,7 @@ from . import _blocks as B
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats"]
 
-SPLIT_EVERY = 8  # blocks merged per node of the statistics trees
+SPLIT_EVERY = 16  # blocks merged per node of the statistics trees (fewer tasks, less host time)
 
 
 def _axis(fn: str, x: da.Array, axis) -> int:
@@ -52,18 +53,35 @@ def _vector(fn: str, name: str, v, x: da.Array, axis: int, allowed) -> da.Array 
 
 def _moments(x: da.Array, axis: int) -> da.Array:
     """(C, 3) float64 per channel: count, mean and M2 (sum of squared deviations) of x, from
-    each block's statistics merged in a tree of :data:`SPLIT_EVERY` blocks a node."""
+    each block's statistics merged in a fixed-order tree of :data:`SPLIT_EVERY` blocks a node
+    (one tree per chunk of the channel axis; chunks ``(x.chunks[axis], (3,))``)."""
     nd = x.ndim
     ind = tuple(range(nd))
     adjust = {i: 1 for i in ind if i != axis}
     parts = da.blockwise(_moments_block, ind + (nd,), x, ind, axis=axis, new_axes={nd: 3},
                          adjust_chunks=adjust, dtype=np.float64,
-                         meta=B.meta(x, np.float64, nd + 1))
-    others = tuple(i for i in ind if i != axis)
-    merged = da.reduction(parts, _moments_identity, _chan, combine=_chan, axis=others,
-                          dtype=np.float64, split_every=SPLIT_EVERY, concatenate=True,
-                          meta=B.meta(x, np.float64, 2))
-    return merged
+                         meta=B.meta(x, np.float64, nd + 1), name=B.fresh_name("moments"))
+    name = f"cukern-merged-{parts.name}"
+    graphs, dsk, tops = [], {}, set()
+    for c in range(x.numblocks[axis]):
+        leaves = [(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
+                  if idx[axis] == c]
+        sub, root = B.tree(f"{parts.name}-{c}", leaves, _merge_blocks, (), SPLIT_EVERY, parts)
+        graphs.append(sub)
+        dsk[(name, c, 0)] = (B._same, root)
+        tops.add(root[0])
+    graph = HighLevelGraph.merge(HighLevelGraph({name: dsk}, {name: tops}), *graphs)
+    return da.Array(graph, name, chunks=(x.chunks[axis], (3,)), dtype=np.float64,
+                    meta=B.meta(x, np.float64, 2))
+
+
+def _merge_blocks(values: list, level: int):
+    """A tree node: the (C_b, 3) merge of its blocks' states (level 0: each of shape
+    (1, .., C_b, .., 1, 3); above: (C_b, 3))."""
+    xp = B._cupy() if B.is_cupy(values[0]) else np
+    if level == 0:
+        values = [v.reshape(-1, 3) for v in values]
+    return _chan(xp.stack(values), axis=0)
 
 
 def _moments_block(x, axis: int):
@@ -87,10 +105,6 @@ def _moments_block(x, axis: int):
         mean = var = xp.zeros(nch, np.float64)
     out = xp.stack([xp.full(nch, float(n)), mean, var * n], axis=-1)
     return out.reshape(shape + [3])
-
-
-def _moments_identity(a, axis=None, keepdims=True):
-    return a
 
 
 def _chan(a, axis=None, keepdims=False):
@@ -132,14 +146,26 @@ def batch_stats(x, *, axis: int = 1):
     nch = x.shape[ax]
     if nch and x.size // nch == 0:
         raise ValueError(f"{fn}: x of shape {x.shape} has no values per channel")
-    mean, var = _mean_var(_moments(x, ax))
-    sdt = B.stat_dtype(x.dtype)
-    return mean.astype(sdt), var.astype(sdt)
+    return _mean_var(_moments(x, ax), B.stat_dtype(x.dtype))
 
 
-def _mean_var(moments: da.Array):
-    n = moments[:, 0]
-    return moments[:, 1], moments[:, 2] / da.maximum(n, 1)
+def _mean_var(moments: da.Array, dtype=np.float64):
+    """Lazy (mean, biased variance) of ``dtype`` from the merged moments: one task each per
+    chunk of channels."""
+    outs = []
+    for i in (0, 1):
+        name = f"cukern-{'mean' if i == 0 else 'var'}-{moments.name}"
+        dsk = {(name, c): (_stat, (moments.name, c, 0), i, dtype)
+               for c in range(moments.numblocks[0])}
+        outs.append(B.from_tasks(name, dsk, [moments], (moments.chunks[0],), dtype, moments, 1))
+    return tuple(outs)
+
+
+def _stat(m, i: int, dtype):
+    """Mean (i = 0) or biased variance (i = 1) from (C, 3) merged moments, as ``dtype``."""
+    xp = B._cupy() if B.is_cupy(m) else np
+    v = m[:, 1] if i == 0 else m[:, 2] / xp.maximum(m[:, 0], 1.0)
+    return v.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,13 +231,19 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     sdt = B.stat_dtype(x.dtype)
     chunks = (x.chunks[ax],)
     if training:
-        mean, var = _mean_var(_moments(x, ax))
+        moments = _moments(x, ax)
         if running_mean is not None or running_var is not None:
-            mean_v, var_v = dask.compute(mean, var)
+            # the statistics pass now (the running statistics change exactly once); the graph
+            # is already minimal: Dask's optimisation would cost more than it saves
+            (m,) = dask.compute(moments, optimize_graph=False)
+            mean_v, var_v = _stat(m, 0, np.float64), _stat(m, 1, np.float64)
             _update(running_mean, mean_v, momentum, 1.0)
             _update(running_var, var_v, momentum, n / (n - 1))
-            mean, var = (da.from_array(a, chunks=chunks, asarray=False) for a in (mean_v, var_v))
-        mean, var = mean.astype(sdt), var.astype(sdt)
+            mean, var = (da.from_array(B.cast(a, sdt), chunks=chunks, asarray=False,
+                                       name=B.fresh_name(f"batch-{w}"))
+                         for w, a in (("mean", mean_v), ("var", var_v)))
+        else:
+            mean, var = _mean_var(moments, sdt)
     else:
         mean, var = (B.param(fn, n, v, chunks).map_blocks(B.to_float, sdt, dtype=sdt,
                                                            meta=B.meta(x, sdt, 1))
@@ -226,7 +258,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
         args += [z, ind]
     packed = da.blockwise(_apply_block, ind, *args, axis=ax, eps=eps, relu=relu,
                           has=(w is not None, b is not None, z is not None), mask=want_mask,
-                          dtype=x.dtype, meta=x._meta)
+                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
     y = B.output(packed, 0, x.dtype)
     if not return_stats:
         return y
