@@ -7,7 +7,6 @@ from __future__ import annotations
 import dask
 import dask.array as da
 import numpy as np
-from dask.highlevelgraph import HighLevelGraph
 
 from .. import reference, runner
 from ..ops.batch_norm import _flag, _momentum, _param_dtypes
@@ -62,15 +61,11 @@ def _moments(x: da.Array, axis: int) -> da.Array:
                          adjust_chunks=adjust, dtype=np.float64,
                          meta=B.meta(x, np.float64, nd + 1), name=B.fresh_name("moments"))
     name = f"cukern-merged-{parts.name}"
-    graphs, dsk, tops = [], {}, set()
-    for c in range(x.numblocks[axis]):
-        leaves = [(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
-                  if idx[axis] == c]
-        sub, root = B.tree(f"{parts.name}-{c}", leaves, _merge_blocks, (), SPLIT_EVERY, parts)
-        graphs.append(sub)
-        dsk[(name, c, 0)] = (B._same, root)
-        tops.add(root[0])
-    graph = HighLevelGraph.merge(HighLevelGraph({name: dsk}, {name: tops}), *graphs)
+    cs = range(x.numblocks[axis])
+    groups = [[(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
+               if idx[axis] == c] for c in cs]
+    graph, _ = B.tree(parts.name, groups, _merge_blocks, (), SPLIT_EVERY, parts,
+                      roots=[(name, c, 0) for c in cs])
     return da.Array(graph, name, chunks=(x.chunks[axis], (3,)), dtype=np.float64,
                     meta=B.meta(x, np.float64, 2))
 
@@ -259,7 +254,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     packed = da.blockwise(_apply_block, ind, *args, axis=ax, eps=eps, relu=relu,
                           has=(w is not None, b is not None, z is not None), mask=want_mask,
                           dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
-    y = B.output(packed, 0, x.dtype)
+    y = B.output(packed, 0, x.dtype) if want_mask else packed  # a tuple only with the mask
     if not return_stats:
         return y
     invstd = 1.0 / da.sqrt(var + sdt.type(eps))
@@ -297,10 +292,10 @@ def _apply_block(x, mean, var, *rest, axis: int, eps: float, relu: bool, has, ma
             x, z = B._cupy().ascontiguousarray(x), B._cupy().ascontiguousarray(z)
         res = cukern.batch_norm(x, mean, var, w, b, False, 0.0, eps, axis=axis, addend=z,
                                 relu=relu, return_stats=mask)
-        return (res[0], res[3]) if mask else (res,)
+        return (res[0], res[3]) if mask else res
     res = reference.batch_norm(x, mean, var, w, b, False, 0.0, eps, axis=axis, addend=z,
                                relu=relu, return_stats=mask)
-    return (res[0].astype(x.dtype), res[3]) if mask else (res.astype(x.dtype),)
+    return (res[0].astype(x.dtype), res[3]) if mask else res.astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,10 +335,17 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     args = [dy, ind, x, ind, mu, (ax,), ist, (ax,)] + ([m, ind] if m is not None else [])
     parts = da.blockwise(_sums_block, ind + (nd,), *args, axis=ax, has_mask=m is not None,
                          new_axes={nd: 2}, adjust_chunks={i: 1 for i in ind if i != ax},
-                         dtype=np.float64, meta=B.meta(x, np.float64, nd + 1))
-    sums = parts.sum(axis=tuple(i for i in ind if i != ax), dtype=np.float64,
-                     split_every=SPLIT_EVERY)
-    dbias, dweight = sums[:, 0], sums[:, 1]
+                         dtype=np.float64, meta=B.meta(x, np.float64, nd + 1),
+                         name=B.fresh_name("sums"))
+    name = f"cukern-sums-{parts.name}"
+    cs = range(x.numblocks[ax])
+    groups = [[(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
+               if idx[ax] == c] for c in cs]
+    graph, _ = B.tree(parts.name, groups, _add_sums, (), SPLIT_EVERY, parts,
+                      roots=[(name, c, 0) for c in cs])
+    sums = da.Array(graph, name, chunks=(x.chunks[ax], (2,)), dtype=np.float64,
+                    meta=B.meta(x, np.float64, 2))
+    dbias, dweight = (_column(sums, j, np.float64) for j in (0, 1))
     nch = x.shape[ax]
     n = x.size // nch if nch else 0
     args = [dy, ind, x, ind, mu, (ax,), ist, (ax,), dbias, (ax,), dweight, (ax,)]
@@ -351,12 +353,32 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     args += [w, (ax,)] if w is not None else []
     packed = da.blockwise(_dx_block, ind, *args, axis=ax, n=n, training=training,
                           has=(m is not None, w is not None), addend=addend,
-                          dtype=x.dtype, meta=x._meta)
+                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
     gdt = np.dtype(w.dtype) if w is not None else sdt
-    res = (B.output(packed, 0, x.dtype),
-           *(s.astype(sdt).map_blocks(B.cast, gdt, dtype=gdt, meta=B.meta(s, gdt))
-             for s in (dweight, dbias)))
+    res = (B.output(packed, 0, x.dtype) if addend else packed,
+           *(_column(sums, j, gdt, sdt) for j in (1, 0)))
     return res + (B.output(packed, 1, x.dtype),) if addend else res
+
+
+def _add_sums(values: list, level: int):
+    """A tree node: the (C_b, 2) float64 sum of its blocks' (1, .., C_b, .., 1, 2) sums."""
+    acc = values[0].reshape(-1, 2).astype(np.float64, copy=True)
+    for v in values[1:]:
+        acc += v.reshape(-1, 2)
+    return acc
+
+
+def _column(sums: da.Array, j: int, dtype, via=None) -> da.Array:
+    """Column ``j`` of the (C, 2) channel sums as ``dtype`` (rounded to ``via`` first)."""
+    name = f"cukern-col{j}-{np.dtype(dtype).name}-{sums.name}"
+    dsk = {(name, c): (_column_block, (sums.name, c, 0), j, dtype, via)
+           for c in range(sums.numblocks[0])}
+    return B.from_tasks(name, dsk, [sums], (sums.chunks[0],), dtype, sums, 1)
+
+
+def _column_block(s, j: int, dtype, via):
+    v = s[:, j]
+    return B.cast(v if via is None else v.astype(via), dtype)
 
 
 def _mask_blocks(fn: str, mask, x: da.Array) -> da.Array | None:
@@ -438,4 +460,4 @@ def _dx_block(dy, x, mean, invstd, sum_g, sum_gx, *rest, axis: int, n: int, trai
     else:
         dx = a * g
     dx = B.cast(dx, x.dtype)
-    return (dx, B.cast(g, x.dtype)) if addend else (dx,)
+    return (dx, B.cast(g, x.dtype)) if addend else dx  # a tuple only with daddend

@@ -192,19 +192,31 @@ def stat_output(packed: da.Array, i: int, dtype, lead: int) -> da.Array:
     return from_tasks(name, dsk, [packed], packed.chunks[:lead], dtype, packed, lead)
 
 
-def tree(name: str, leaves: list, combine, extra: tuple, split_every: int, dep: da.Array):
-    """A fixed-order reduction tree over the keys ``leaves``: each node calls ``combine(list
-    of up to split_every values, level, *extra)``. Returns ``(graph, root key)``, one layer
-    a level (named ``{name}-sum-{level}``)."""
-    layers, deps, keys, level, below = {}, {}, list(leaves), 0, dep.name
-    while level == 0 or len(keys) > 1:
-        lname = f"{name}-sum-{level}"
-        layer = {(lname, j // split_every): (combine, keys[j:j + split_every], level, *extra)
-                 for j in range(0, len(keys), split_every)}
+def tree(name: str, groups: list, combine, extra: tuple, split_every: int, dep: da.Array,
+         roots: list | None = None):
+    """Fixed-order reduction trees, one over each list of keys in ``groups`` (all of one
+    length): each node calls ``combine(list of up to split_every values, level, *extra)``.
+    One layer a level (``{name}-sum-{level}``); with ``roots``, group i's root node gets key
+    ``roots[i]`` (all in the layer ``roots[0][0]``). Returns ``(graph, root keys)``."""
+    layers, deps, level, below = {}, {}, 0, dep.name
+    groups = [list(g) for g in groups]
+    while level == 0 or len(groups[0]) > 1:
+        last = len(groups[0]) <= split_every and roots is not None
+        lname = roots[0][0] if last else f"{name}-sum-{level}"
+        layer, nxt = {}, []
+        for i, keys in enumerate(groups):
+            nodes = []
+            for j in range(0, len(keys), split_every):
+                key = roots[i] if last else (lname, i, j // split_every)
+                layer[key] = (combine, keys[j:j + split_every], level, *extra)
+                nodes.append(key)
+            nxt.append(nodes)
         layers[lname], deps[lname] = layer, {below}
-        keys, level, below = list(layer), level + 1, lname
+        groups, level, below = nxt, level + 1, lname
+        if last:
+            break
     graph = HighLevelGraph.merge(HighLevelGraph(layers, deps), dep.__dask_graph__())
-    return graph, keys[0]
+    return graph, [g[0] for g in groups]
 
 
 def per_block(packed: da.Array, i: int, dtype, lengths: list[int]) -> da.Array:

@@ -246,7 +246,8 @@ def _backward(op, dy, x, mean, rstd, weight):
     # dweight and dbias in one tree: each node adds up its blocks' partial sums, both at once
     fields = (1, 2) if layer else (1,)
     leaves = [(packed.name, *idx) for idx in np.ndindex(*packed.numblocks)]
-    graph, root = B.tree(packed.name, leaves, _add_partials, (fields, sdt), SPLIT_EVERY, packed)
+    graph, (root,) = B.tree(packed.name, [leaves], _add_partials, (fields, sdt), SPLIT_EVERY,
+                            packed)
     grads = []
     for j in range(len(fields)):
         name = f"cukern-grad{j}-{packed.name}"
