@@ -391,7 +391,8 @@ def _mask_blocks(fn: str, mask, x: da.Array) -> da.Array | None:
             raise ValueError(f"{fn}: mask must be the Dask array batch_norm returned (the "
                              f"words of each block of x); got {type(mask).__name__} for x of "
                              f"{x.npartitions} blocks")
-        mask = da.from_array(mask, chunks=mask.shape, asarray=False)
+        mask = da.from_array(mask, chunks=mask.shape, asarray=False,
+                             name=B.fresh_name("mask"))
     if np.dtype(mask.dtype) not in (np.dtype(np.int32), np.dtype(np.uint32)):
         raise TypeError(f"{fn}: mask has dtype {mask.dtype}, expected int32 (the words "
                         f"batch_norm returns)")
