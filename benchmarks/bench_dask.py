@@ -10,7 +10,8 @@ Overhead = Dask time / direct time - 1; target <= 10 %. A "dask floor" row per o
 same persists of a block function that launches nothing (a view of its first input over the
 op's full-size inputs): Dask's own host cost for that many blocks, which no op can go under;
 the rest of the gap (dask - direct - floor) is cukern.dask's own (its extra tasks, the
-eager statistics pass of batch norm) plus what does not overlap with the GPU.
+eager statistics pass of batch norm) plus what does not overlap with the GPU. A third row
+persists with ``optimize_graph=False`` (Dask's array optimisation skipped).
 
 ``--scaling`` (issue 28): a dask-cuda LocalCUDACluster over 1, 2, 4, ... GPUs and all of them,
 ``--gb-per-gpu`` GB of float16 per GPU (weak scaling: the array grows with the GPUs), made on
@@ -126,10 +127,13 @@ def _median_s(fn, reps: int) -> float:
 def overhead(args) -> list[dict]:
     results = []
 
-    def persist(*arrays):
-        out = dask.persist(*arrays, scheduler="threads")
+    def persist(*arrays, optimize_graph=True):
+        out = dask.persist(*arrays, scheduler="threads", optimize_graph=optimize_graph)
         cp.cuda.Device().synchronize()
         return out
+
+    def persist_noopt(*arrays):  # Dask's array optimisation skipped: cukern's graphs are flat
+        return persist(*arrays, optimize_graph=False)
 
     for op in OPS:
         shape, chunks = shapes(op, args.gb, args.chunk_mb)
@@ -143,16 +147,21 @@ def overhead(args) -> list[dict]:
         t_direct = _median_s(lambda: direct(op, x, dy), args.reps)
         t_dask = _median_s(lambda: through_dask(op, xd, dyd, persist), args.reps)
         t_floor = _median_s(lambda: floor(op, xd, dyd, persist), args.reps)
+        t_noopt = _median_s(lambda: through_dask(op, xd, dyd, persist_noopt), args.reps)
         pct = 100.0 * (t_dask / t_direct - 1.0)
         own = t_dask - t_direct - t_floor  # cukern.dask's own share of the gap
         results.append(dict(op=op, dtype="float16", shape=list(shape), chunks=xd.numblocks[0],
                             gb=x.nbytes / 1e9, direct_ms=1e3 * t_direct, dask_ms=1e3 * t_dask,
                             floor_ms=1e3 * t_floor, own_ms=1e3 * own, overhead_pct=pct,
+                            noopt_ms=1e3 * t_noopt,
+                            noopt_overhead_pct=100.0 * (t_noopt / t_direct - 1.0),
                             target_met=pct <= TARGET_OVERHEAD))
         print(f"{op:20s} direct {1e3 * t_direct:9.2f} ms   dask {1e3 * t_dask:9.2f} ms   "
               f"overhead {pct:+6.1f} %  ({xd.numblocks[0]} chunks)\n{'  dask floor':20s} "
               f"{'':16s} {1e3 * t_floor:9.2f} ms   ({100 * t_floor / t_direct:.0f} % of direct; "
-              f"cukern.dask's own {1e3 * own:+.2f} ms)", flush=True)
+              f"cukern.dask's own {1e3 * own:+.2f} ms)\n{'  optimize_graph=False':37s} "
+              f"{1e3 * t_noopt:9.2f} ms   overhead {100 * (t_noopt / t_direct - 1):+6.1f} %",
+              flush=True)
         x = dy = xd = dyd = None  # free the GPU memory before the next op
         cp.get_default_memory_pool().free_all_blocks()
     return results
