@@ -60,14 +60,22 @@ def _moments(x: da.Array, axis: int) -> da.Array:
     parts = da.blockwise(_moments_block, ind + (nd,), x, ind, axis=axis, new_axes={nd: 3},
                          adjust_chunks=adjust, dtype=np.float64,
                          meta=B.meta(x, np.float64, nd + 1), name=B.fresh_name("moments"))
-    name = f"cukern-merged-{parts.name}"
-    cs = range(x.numblocks[axis])
+    return _per_channel(parts, axis, _merge_blocks, "merged")
+
+
+def _per_channel(parts: da.Array, axis: int, combine, what: str) -> da.Array:
+    """Per-block channel states ``parts`` (one block a block of x, a trailing axis of k
+    values) reduced by ``combine`` in a tree per chunk of the channel axis: (C, k) float64
+    with chunks ``(parts.chunks[axis], (k,))``."""
+    nd = parts.ndim - 1
+    name = f"cukern-{what}-{parts.name}"
+    cs = range(parts.numblocks[axis])
     groups = [[(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
                if idx[axis] == c] for c in cs]
-    graph, _ = B.tree(parts.name, groups, _merge_blocks, (), SPLIT_EVERY, parts,
+    graph, _ = B.tree(parts.name, groups, combine, (), SPLIT_EVERY, parts,
                       roots=[(name, c, 0) for c in cs])
-    return da.Array(graph, name, chunks=(x.chunks[axis], (3,)), dtype=np.float64,
-                    meta=B.meta(x, np.float64, 2))
+    return da.Array(graph, name, chunks=(parts.chunks[axis], parts.chunks[nd]),
+                    dtype=np.float64, meta=B.meta(parts, np.float64, 2))
 
 
 def _merge_blocks(values: list, level: int):
@@ -337,14 +345,7 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
                          new_axes={nd: 2}, adjust_chunks={i: 1 for i in ind if i != ax},
                          dtype=np.float64, meta=B.meta(x, np.float64, nd + 1),
                          name=B.fresh_name("sums"))
-    name = f"cukern-sums-{parts.name}"
-    cs = range(x.numblocks[ax])
-    groups = [[(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
-               if idx[ax] == c] for c in cs]
-    graph, _ = B.tree(parts.name, groups, _add_sums, (), SPLIT_EVERY, parts,
-                      roots=[(name, c, 0) for c in cs])
-    sums = da.Array(graph, name, chunks=(x.chunks[ax], (2,)), dtype=np.float64,
-                    meta=B.meta(x, np.float64, 2))
+    sums = _per_channel(parts, ax, _add_sums, "sums")
     dbias, dweight = (_column(sums, j, np.float64) for j in (0, 1))
     nch = x.shape[ax]
     n = x.size // nch if nch else 0
