@@ -269,6 +269,37 @@ def test_running_statistics_compute_at_the_call_only(rng):
     np.testing.assert_allclose(rv, xn.var(axis=(0, 2), ddof=1), rtol=1e-12)
 
 
+class Unhashable(np.ndarray):
+    """A parameter that Dask's tokenize must not touch (it pickles a CuPy array to hash it:
+    a copy to the host and a device synchronisation on every call)."""
+
+
+@dask.base.normalize_token.register(Unhashable)
+def _no_hashing(a):
+    raise RuntimeError("a cukern.dask parameter was hashed")
+
+
+def test_parameters_are_not_hashed_and_trees_are_flat(rng):
+    x = rng.standard_normal((40, 3, 4)).astype(np.float32)
+    xa = da.from_array(x, chunks=(2, 3, 4))  # 20 blocks: a tree of two levels
+    w, b, rm, rv = (rng.standard_normal(3).astype(np.float32).view(Unhashable)
+                    for _ in range(4))
+    rv = np.abs(rv).view(Unhashable)
+    ns = (3, 4)
+    w2 = rng.standard_normal(ns).astype(np.float32).view(Unhashable)
+    y, mean, rstd = cd.layer_norm(xa, ns, w2, w2)
+    dx, dw, db = cd.layer_norm_backward(xa, xa, mean, rstd, w2)
+    yb = cd.batch_norm(xa, rm, rv, w, b, training=True)
+    names = list(dw.__dask_graph__().layers)
+    assert sum(1 for n in names if "-sum-" in n) == 2  # 20 blocks -> 2 nodes -> 1
+    assert not any(n.startswith("cukern-out") for n in yb.__dask_graph__().layers)
+    ref = reference.layer_norm_backward(x, x, *reference.layer_norm(x, ns, w2, w2)[1:], w2)
+    for o, r in zip(dask.compute(dx, dw, db), ref):
+        close(o, r, "float32", scale=10)
+    close(yb.compute(), reference.batch_norm(x, np.zeros(3), np.ones(3), w, b, True),
+          "float32", scale=10)
+
+
 def test_batch_norm_eval_and_channels_last(rng):
     x = rng.standard_normal((5, 7, 6, 3)).astype(np.float32)  # NHWC: channel axis -1
     rm, rv = rng.standard_normal(3).astype(np.float32), rng.random(3).astype(np.float32) + 0.1

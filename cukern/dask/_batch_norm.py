@@ -14,7 +14,7 @@ from . import _blocks as B
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats"]
 
-SPLIT_EVERY = 8  # blocks merged per node of the statistics trees
+SPLIT_EVERY = 16  # blocks merged per node of the statistics trees (fewer tasks, less host time)
 
 
 def _axis(fn: str, x: da.Array, axis) -> int:
@@ -52,18 +52,39 @@ def _vector(fn: str, name: str, v, x: da.Array, axis: int, allowed) -> da.Array 
 
 def _moments(x: da.Array, axis: int) -> da.Array:
     """(C, 3) float64 per channel: count, mean and M2 (sum of squared deviations) of x, from
-    each block's statistics merged in a tree of :data:`SPLIT_EVERY` blocks a node."""
+    each block's statistics merged in a fixed-order tree of :data:`SPLIT_EVERY` blocks a node
+    (one tree per chunk of the channel axis; chunks ``(x.chunks[axis], (3,))``)."""
     nd = x.ndim
     ind = tuple(range(nd))
     adjust = {i: 1 for i in ind if i != axis}
     parts = da.blockwise(_moments_block, ind + (nd,), x, ind, axis=axis, new_axes={nd: 3},
                          adjust_chunks=adjust, dtype=np.float64,
-                         meta=B.meta(x, np.float64, nd + 1))
-    others = tuple(i for i in ind if i != axis)
-    merged = da.reduction(parts, _moments_identity, _chan, combine=_chan, axis=others,
-                          dtype=np.float64, split_every=SPLIT_EVERY, concatenate=True,
-                          meta=B.meta(x, np.float64, 2))
-    return merged
+                         meta=B.meta(x, np.float64, nd + 1), name=B.fresh_name("moments"))
+    return _per_channel(parts, axis, _merge_blocks, "merged")
+
+
+def _per_channel(parts: da.Array, axis: int, combine, what: str) -> da.Array:
+    """Per-block channel states ``parts`` (one block a block of x, a trailing axis of k
+    values) reduced by ``combine`` in a tree per chunk of the channel axis: (C, k) float64
+    with chunks ``(parts.chunks[axis], (k,))``."""
+    nd = parts.ndim - 1
+    name = f"cukern-{what}-{parts.name}"
+    cs = range(parts.numblocks[axis])
+    groups = [[(parts.name, *idx, 0) for idx in np.ndindex(*parts.numblocks[:nd])
+               if idx[axis] == c] for c in cs]
+    graph, _ = B.tree(parts.name, groups, combine, (), SPLIT_EVERY, parts,
+                      roots=[(name, c, 0) for c in cs])
+    return da.Array(graph, name, chunks=(parts.chunks[axis], parts.chunks[nd]),
+                    dtype=np.float64, meta=B.meta(parts, np.float64, 2))
+
+
+def _merge_blocks(values: list, level: int):
+    """A tree node: the (C_b, 3) merge of its blocks' states (level 0: each of shape
+    (1, .., C_b, .., 1, 3); above: (C_b, 3))."""
+    xp = B._cupy() if B.is_cupy(values[0]) else np
+    if level == 0:
+        values = [v.reshape(-1, 3) for v in values]
+    return _chan(xp.stack(values), axis=0)
 
 
 def _moments_block(x, axis: int):
@@ -87,10 +108,6 @@ def _moments_block(x, axis: int):
         mean = var = xp.zeros(nch, np.float64)
     out = xp.stack([xp.full(nch, float(n)), mean, var * n], axis=-1)
     return out.reshape(shape + [3])
-
-
-def _moments_identity(a, axis=None, keepdims=True):
-    return a
 
 
 def _chan(a, axis=None, keepdims=False):
@@ -132,14 +149,26 @@ def batch_stats(x, *, axis: int = 1):
     nch = x.shape[ax]
     if nch and x.size // nch == 0:
         raise ValueError(f"{fn}: x of shape {x.shape} has no values per channel")
-    mean, var = _mean_var(_moments(x, ax))
-    sdt = B.stat_dtype(x.dtype)
-    return mean.astype(sdt), var.astype(sdt)
+    return _mean_var(_moments(x, ax), B.stat_dtype(x.dtype))
 
 
-def _mean_var(moments: da.Array):
-    n = moments[:, 0]
-    return moments[:, 1], moments[:, 2] / da.maximum(n, 1)
+def _mean_var(moments: da.Array, dtype=np.float64):
+    """Lazy (mean, biased variance) of ``dtype`` from the merged moments: one task each per
+    chunk of channels."""
+    outs = []
+    for i in (0, 1):
+        name = f"cukern-{'mean' if i == 0 else 'var'}-{moments.name}"
+        dsk = {(name, c): (_stat, (moments.name, c, 0), i, dtype)
+               for c in range(moments.numblocks[0])}
+        outs.append(B.from_tasks(name, dsk, [moments], (moments.chunks[0],), dtype, moments, 1))
+    return tuple(outs)
+
+
+def _stat(m, i: int, dtype):
+    """Mean (i = 0) or biased variance (i = 1) from (C, 3) merged moments, as ``dtype``."""
+    xp = B._cupy() if B.is_cupy(m) else np
+    v = m[:, 1] if i == 0 else m[:, 2] / xp.maximum(m[:, 0], 1.0)
+    return v.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,13 +234,19 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     sdt = B.stat_dtype(x.dtype)
     chunks = (x.chunks[ax],)
     if training:
-        mean, var = _mean_var(_moments(x, ax))
+        moments = _moments(x, ax)
         if running_mean is not None or running_var is not None:
-            mean_v, var_v = dask.compute(mean, var)
+            # the statistics pass now (the running statistics change exactly once); the graph
+            # is already minimal: Dask's optimisation would cost more than it saves
+            (m,) = dask.compute(moments, optimize_graph=False)
+            mean_v, var_v = _stat(m, 0, np.float64), _stat(m, 1, np.float64)
             _update(running_mean, mean_v, momentum, 1.0)
             _update(running_var, var_v, momentum, n / (n - 1))
-            mean, var = (da.from_array(a, chunks=chunks, asarray=False) for a in (mean_v, var_v))
-        mean, var = mean.astype(sdt), var.astype(sdt)
+            mean, var = (da.from_array(B.cast(a, sdt), chunks=chunks, asarray=False,
+                                       name=B.fresh_name(f"batch-{w}"))
+                         for w, a in (("mean", mean_v), ("var", var_v)))
+        else:
+            mean, var = _mean_var(moments, sdt)
     else:
         mean, var = (B.param(fn, n, v, chunks).map_blocks(B.to_float, sdt, dtype=sdt,
                                                            meta=B.meta(x, sdt, 1))
@@ -226,8 +261,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
         args += [z, ind]
     packed = da.blockwise(_apply_block, ind, *args, axis=ax, eps=eps, relu=relu,
                           has=(w is not None, b is not None, z is not None), mask=want_mask,
-                          dtype=x.dtype, meta=x._meta)
-    y = B.output(packed, 0, x.dtype)
+                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
+    y = B.output(packed, 0, x.dtype) if want_mask else packed  # a tuple only with the mask
     if not return_stats:
         return y
     invstd = 1.0 / da.sqrt(var + sdt.type(eps))
@@ -265,10 +300,10 @@ def _apply_block(x, mean, var, *rest, axis: int, eps: float, relu: bool, has, ma
             x, z = B._cupy().ascontiguousarray(x), B._cupy().ascontiguousarray(z)
         res = cukern.batch_norm(x, mean, var, w, b, False, 0.0, eps, axis=axis, addend=z,
                                 relu=relu, return_stats=mask)
-        return (res[0], res[3]) if mask else (res,)
+        return (res[0], res[3]) if mask else res
     res = reference.batch_norm(x, mean, var, w, b, False, 0.0, eps, axis=axis, addend=z,
                                relu=relu, return_stats=mask)
-    return (res[0].astype(x.dtype), res[3]) if mask else (res.astype(x.dtype),)
+    return (res[0].astype(x.dtype), res[3]) if mask else res.astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,10 +343,10 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     args = [dy, ind, x, ind, mu, (ax,), ist, (ax,)] + ([m, ind] if m is not None else [])
     parts = da.blockwise(_sums_block, ind + (nd,), *args, axis=ax, has_mask=m is not None,
                          new_axes={nd: 2}, adjust_chunks={i: 1 for i in ind if i != ax},
-                         dtype=np.float64, meta=B.meta(x, np.float64, nd + 1))
-    sums = parts.sum(axis=tuple(i for i in ind if i != ax), dtype=np.float64,
-                     split_every=SPLIT_EVERY)
-    dbias, dweight = sums[:, 0], sums[:, 1]
+                         dtype=np.float64, meta=B.meta(x, np.float64, nd + 1),
+                         name=B.fresh_name("sums"))
+    sums = _per_channel(parts, ax, _add_sums, "sums")
+    dbias, dweight = (_column(sums, j, np.float64) for j in (0, 1))
     nch = x.shape[ax]
     n = x.size // nch if nch else 0
     args = [dy, ind, x, ind, mu, (ax,), ist, (ax,), dbias, (ax,), dweight, (ax,)]
@@ -319,12 +354,32 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     args += [w, (ax,)] if w is not None else []
     packed = da.blockwise(_dx_block, ind, *args, axis=ax, n=n, training=training,
                           has=(m is not None, w is not None), addend=addend,
-                          dtype=x.dtype, meta=x._meta)
+                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
     gdt = np.dtype(w.dtype) if w is not None else sdt
-    res = (B.output(packed, 0, x.dtype),
-           *(s.astype(sdt).map_blocks(B.cast, gdt, dtype=gdt, meta=B.meta(s, gdt))
-             for s in (dweight, dbias)))
+    res = (B.output(packed, 0, x.dtype) if addend else packed,
+           *(_column(sums, j, gdt, sdt) for j in (1, 0)))
     return res + (B.output(packed, 1, x.dtype),) if addend else res
+
+
+def _add_sums(values: list, level: int):
+    """A tree node: the (C_b, 2) float64 sum of its blocks' (1, .., C_b, .., 1, 2) sums."""
+    acc = values[0].reshape(-1, 2).astype(np.float64, copy=True)
+    for v in values[1:]:
+        acc += v.reshape(-1, 2)
+    return acc
+
+
+def _column(sums: da.Array, j: int, dtype, via=None) -> da.Array:
+    """Column ``j`` of the (C, 2) channel sums as ``dtype`` (rounded to ``via`` first)."""
+    name = f"cukern-col{j}-{np.dtype(dtype).name}-{sums.name}"
+    dsk = {(name, c): (_column_block, (sums.name, c, 0), j, dtype, via)
+           for c in range(sums.numblocks[0])}
+    return B.from_tasks(name, dsk, [sums], (sums.chunks[0],), dtype, sums, 1)
+
+
+def _column_block(s, j: int, dtype, via):
+    v = s[:, j]
+    return B.cast(v if via is None else v.astype(via), dtype)
 
 
 def _mask_blocks(fn: str, mask, x: da.Array) -> da.Array | None:
@@ -337,7 +392,8 @@ def _mask_blocks(fn: str, mask, x: da.Array) -> da.Array | None:
             raise ValueError(f"{fn}: mask must be the Dask array batch_norm returned (the "
                              f"words of each block of x); got {type(mask).__name__} for x of "
                              f"{x.npartitions} blocks")
-        mask = da.from_array(mask, chunks=mask.shape, asarray=False)
+        mask = da.from_array(mask, chunks=mask.shape, asarray=False,
+                             name=B.fresh_name("mask"))
     if np.dtype(mask.dtype) not in (np.dtype(np.int32), np.dtype(np.uint32)):
         raise TypeError(f"{fn}: mask has dtype {mask.dtype}, expected int32 (the words "
                         f"batch_norm returns)")
@@ -406,4 +462,4 @@ def _dx_block(dy, x, mean, invstd, sum_g, sum_gx, *rest, axis: int, n: int, trai
     else:
         dx = a * g
     dx = B.cast(dx, x.dtype)
-    return (dx, B.cast(g, x.dtype)) if addend else (dx,)
+    return (dx, B.cast(g, x.dtype)) if addend else dx  # a tuple only with daddend

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import uuid
 import warnings
 
 import dask.array as da
@@ -16,8 +17,9 @@ from dask.highlevelgraph import HighLevelGraph
 from .. import runner
 
 __all__ = ["PerformanceWarning", "as_dask", "param", "whole", "align", "check_same",
-           "is_cupy", "like", "pick", "pick_keep", "output", "per_block", "from_blocks", "cast",
-           "to_float", "meta", "stat_dtype", "float_dtype"]
+           "is_cupy", "like", "pick", "output", "per_block", "from_blocks", "cast",
+           "to_float", "meta", "stat_dtype", "float_dtype", "fresh_name", "stat_output",
+           "tree", "from_tasks"]
 
 
 class PerformanceWarning(UserWarning):
@@ -80,9 +82,17 @@ def param(fn: str, name: str, a, chunks) -> da.Array | None:
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Dask), got "
                         f"{type(a).__name__}")
-    if tuple(a.shape) != tuple(sum(c) for c in chunks):
-        return da.from_array(a, chunks=a.shape, asarray=False)  # the op reports the shape
-    return da.from_array(a, chunks=chunks, asarray=False)
+    # a fresh name: Dask would otherwise hash the array, a device-to-host copy of a CuPy one
+    name = fresh_name(f"param-{name}")
+    if tuple(a.shape) != tuple(sum(c) for c in chunks):  # the op reports the shape
+        return da.from_array(a, chunks=a.shape, asarray=False, name=name)
+    return da.from_array(a, chunks=chunks, asarray=False, name=name)
+
+
+def fresh_name(what: str) -> str:
+    """A unique graph-layer name (no hashing of arguments: Dask's tokenize of a CuPy array
+    copies it to the host, and of a task's arguments costs more than the task)."""
+    return f"cukern-{what}-{uuid.uuid4().hex}"
 
 
 def _chunk_bytes(chunks, itemsize: int) -> int:
@@ -153,21 +163,60 @@ def pick(block, i: int):
     return block[i]
 
 
-def pick_keep(block, i: int, k: int):
-    """Output ``i`` of a tuple-valued block with ``k`` size-1 axes appended (a per-row
-    statistic placed back in x's dimensions, so that it can share x's block index)."""
-    a = block[i]
-    return a.reshape(a.shape + (1,) * k)
+def from_tasks(name: str, dsk: dict, deps, chunks, dtype, like: da.Array,
+               ndim: int) -> da.Array:
+    """A Dask array of the tasks ``dsk`` (keys ``(name, *block index)``) over ``deps``: a
+    list of Dask collections, or a ``(graph, layer name)`` pair from :func:`tree`."""
+    if isinstance(deps, list):
+        graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
+    else:
+        graph = HighLevelGraph.merge(HighLevelGraph({name: dsk}, {name: {deps[1]}}), deps[0])
+    return da.Array(graph, name, chunks=chunks, dtype=dtype, meta=meta(like, dtype, ndim))
 
 
-def output(packed: da.Array, i: int, dtype, *, keep: int = 0, chunks=None) -> da.Array:
-    """Output ``i`` of the tuple-valued array ``packed`` as a Dask array of ``dtype``; with
-    ``keep``, a per-row statistic with ``keep`` size-1 trailing axes (``chunks`` then gives
-    the blocks' shapes)."""
-    if keep:
-        return packed.map_blocks(pick_keep, i, keep, dtype=dtype, chunks=chunks,
-                                 meta=meta(packed, dtype))
-    return packed.map_blocks(pick, i, dtype=dtype, meta=meta(packed, dtype))
+def output(packed: da.Array, i: int, dtype) -> da.Array:
+    """Output ``i`` of the tuple-valued array ``packed`` as a Dask array of ``dtype`` (one
+    plain task a block: no tokenizing, no meta inference)."""
+    name = f"cukern-out{i}-{packed.name}"
+    dsk = {(name, *idx): (pick, (packed.name, *idx), i) for idx in np.ndindex(*packed.numblocks)}
+    return from_tasks(name, dsk, [packed], packed.chunks, dtype, packed, packed.ndim)
+
+
+def stat_output(packed: da.Array, i: int, dtype, lead: int) -> da.Array:
+    """Output ``i`` of ``packed``, a per-row statistic of shape ``packed.shape[:lead]`` (the
+    trailing axes of ``packed`` are one block each)."""
+    name = f"cukern-out{i}-{packed.name}"
+    tail = (0,) * (packed.ndim - lead)
+    dsk = {(name, *idx): (pick, (packed.name, *idx, *tail), i)
+           for idx in np.ndindex(*packed.numblocks[:lead])}
+    return from_tasks(name, dsk, [packed], packed.chunks[:lead], dtype, packed, lead)
+
+
+def tree(name: str, groups: list, combine, extra: tuple, split_every: int, dep: da.Array,
+         roots: list | None = None):
+    """Fixed-order reduction trees, one over each list of keys in ``groups`` (all of one
+    length): each node calls ``combine(list of up to split_every values, level, *extra)``.
+    One layer a level (``{name}-sum-{level}``); with ``roots``, group i's root node gets key
+    ``roots[i]`` (all in the layer ``roots[0][0]``). Returns ``(graph, root keys)``."""
+    layers, deps, level, below = {}, {}, 0, dep.name
+    groups = [list(g) for g in groups]
+    while level == 0 or len(groups[0]) > 1:
+        last = len(groups[0]) <= split_every and roots is not None
+        lname = roots[0][0] if last else f"{name}-sum-{level}"
+        layer, nxt = {}, []
+        for i, keys in enumerate(groups):
+            nodes = []
+            for j in range(0, len(keys), split_every):
+                key = roots[i] if last else (lname, i, j // split_every)
+                layer[key] = (combine, keys[j:j + split_every], level, *extra)
+                nodes.append(key)
+            nxt.append(nodes)
+        layers[lname], deps[lname] = layer, {below}
+        groups, level, below = nxt, level + 1, lname
+        if last:
+            break
+    graph = HighLevelGraph.merge(HighLevelGraph(layers, deps), dep.__dask_graph__())
+    return graph, [g[0] for g in groups]
 
 
 def per_block(packed: da.Array, i: int, dtype, lengths: list[int]) -> da.Array:

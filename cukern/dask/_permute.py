@@ -52,7 +52,7 @@ def _permute(fn: str, x, axes):
     ind = tuple(range(x.ndim))
     out_ind = tuple(axes)  # output axis k is x's axis axes[k]: its blocks and chunks
     return da.blockwise(_permute_block, out_ind, x, ind, axes=axes, dtype=x.dtype,
-                        meta=x._meta.transpose(axes))
+                        meta=x._meta.transpose(axes), name=B.fresh_name(fn))
 
 
 def _permute_block(x, axes):
