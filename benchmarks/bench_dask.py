@@ -178,14 +178,23 @@ def _random_block(block, seed: int, block_id=None):
     return gen.standard_normal(block.shape, dtype=cupy.float32).astype(cupy.float16)
 
 
-def resident(client, shape, chunks, seed: int):
+def _random_like(block, seed: int, block_id=None):
+    return _random_block(block, seed, block_id=block_id)
+
+
+def resident(client, shape, chunks, with_dy: bool):
+    """x (and dy) made and persisted on the workers; each block of dy is made from, and so on
+    the worker of, its block of x (made apart, the two could land on different workers and
+    every backward task would pull a block over the network)."""
     import distributed
 
+    meta = cp.empty((0,) * len(shape), cp.float16)
     x = da.zeros(shape, dtype=np.float16, chunks=chunks).map_blocks(
-        _random_block, seed, dtype=np.float16, meta=cp.empty((0,) * len(shape), cp.float16))
-    x = client.persist(x)
-    distributed.wait(x)
-    return x
+        _random_block, 0, dtype=np.float16, meta=meta)
+    dy = x.map_blocks(_random_like, 1, dtype=np.float16, meta=meta) if with_dy else None
+    x, dy = client.persist([x, dy]) if with_dy else (client.persist(x), None)
+    distributed.wait([a for a in (x, dy) if a is not None])
+    return x, dy
 
 
 def scaling(args) -> list[dict]:
@@ -210,8 +219,7 @@ def scaling(args) -> list[dict]:
 
             for op in OPS:
                 shape, chunks = shapes(op, args.gb_per_gpu * n, args.chunk_mb)
-                x = resident(client, shape, chunks, 0)
-                dy = resident(client, shape, chunks, 1) if op == "layer_norm_fwd_bwd" else None
+                x, dy = resident(client, shape, chunks, op == "layer_norm_fwd_bwd")
                 t = _wall_median(lambda: through_dask(op, x, dy, persist), args.reps)
                 nbytes = int(np.prod(shape)) * 2
                 results.append(dict(op=op, dtype="float16", gpus=n, shape=list(shape),

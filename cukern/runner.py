@@ -190,14 +190,19 @@ def normalize_axis(fn: str, axis, ndim: int) -> int:
     return int(axis) % nd
 
 
-def check_same(fn: str, ref_name: str, ref, arg: str, other) -> None:
-    """`other` must match `ref` in shape, dtype and device."""
+def check_shape_dtype(fn: str, ref_name: str, ref, arg: str, other) -> None:
+    """`other` must match `ref` in shape and dtype (arrays of any kind, Dask's too)."""
     if other.shape != ref.shape:
         raise ValueError(f"{fn}: {arg} has shape {other.shape}, expected {ref.shape} "
                          f"(the shape of {ref_name})")
     if other.dtype != ref.dtype:
         raise TypeError(f"{fn}: {arg} has dtype {other.dtype}, expected {ref.dtype} "
                         f"(the dtype of {ref_name})")
+
+
+def check_same(fn: str, ref_name: str, ref, arg: str, other) -> None:
+    """`other` must match `ref` in shape, dtype and device."""
+    check_shape_dtype(fn, ref_name, ref, arg, other)
     if other.data.device_id != ref.data.device_id:
         raise ValueError(f"{fn}: {arg} is on GPU {other.data.device_id} but {ref_name} is on "
                          f"GPU {ref.data.device_id}")

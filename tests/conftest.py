@@ -13,15 +13,11 @@ import pytest
 
 
 def _gpu_reason() -> str | None:
-    try:
-        import cupy
-    except ImportError as err:
-        return f"CuPy is not importable ({err})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as err:  # no driver, or a driver too old
-        return f"no CUDA device visible ({type(err).__name__}: {err})"
-    return None if n > 0 else "no CUDA device visible (device count 0)"
+    """Why no GPU test can run here (no driver, a driver too old, no device), in the words of
+    ``cukern info``, or None."""
+    from cukern._env import gpu_problem
+
+    return gpu_problem(0)
 
 
 GPU_REASON = _gpu_reason()

@@ -9,6 +9,7 @@ import dask.array as da
 import numpy as np
 
 from .. import reference, runner
+from ..ops import batch_norm as bn_ops
 from ..ops.batch_norm import _flag, _momentum, _param_dtypes
 from . import _blocks as B
 
@@ -216,16 +217,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
         _vector(fn, name, v, x, ax, allowed)
     w = _vector(fn, "weight", weight, x, ax, allowed)
     b = _vector(fn, "bias", bias, x, ax, allowed)
-    if not training and (running_mean is None or running_var is None):
-        missing = "running_mean" if running_mean is None else "running_var"
-        raise ValueError(f"{fn}: eval (training=False) needs running_mean and running_var; "
-                         f"{missing} is None")
-    nch = x.shape[ax]
-    n = x.size // nch if nch else 0
-    if training and nch and n <= 1:
-        raise ValueError(f"{fn}: expected more than 1 value per channel when training, got x "
-                         f"of shape {x.shape} (channel axis {ax}: {n} value"
-                         f"{'s' if n != 1 else ''} per channel)")
+    bn_ops.check_statistics(fn, training, running_mean, running_var, tuple(x.shape), ax)
+    n = x.size // x.shape[ax] if x.shape[ax] else 0  # values a channel
     z = None
     if addend is not None:
         z = B.as_dask(fn, "addend", addend)

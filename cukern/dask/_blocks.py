@@ -147,12 +147,8 @@ def align(fn: str, name: str, a: da.Array, ref: da.Array, ref_name: str) -> da.A
 
 
 def check_same(fn: str, ref_name: str, ref: da.Array, name: str, a: da.Array) -> None:
-    if a.shape != ref.shape:
-        raise ValueError(f"{fn}: {name} has shape {a.shape}, expected {ref.shape} (the shape "
-                         f"of {ref_name})")
-    if a.dtype != ref.dtype:
-        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {ref.dtype} (the dtype of "
-                        f"{ref_name})")
+    """``a`` must match ``ref`` in shape and dtype (a block's device is the worker's)."""
+    runner.check_shape_dtype(fn, ref_name, ref, name, a)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ a fused add and ReLU (and its 1-bit mask), the backward, and per-channel batch s
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import numpy as np
@@ -26,6 +27,23 @@ _EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 _last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
+
+
+
+def check_statistics(fn: str, training: bool, running_mean, running_var, shape: tuple,
+                     axis: int) -> None:
+    """Eval needs both running statistics; training more than one value per channel (PyTorch's
+    rule). ``shape``: x's, ``axis``: its channel axis (also for :mod:`cukern.dask`)."""
+    if not training and (running_mean is None or running_var is None):
+        missing = "running_mean" if running_mean is None else "running_var"
+        raise ValueError(f"{fn}: eval (training=False) needs running_mean and running_var; "
+                         f"{missing} is None")
+    nch = shape[axis]
+    n = math.prod(shape) // nch if nch else 0
+    if training and nch and n <= 1:
+        raise ValueError(f"{fn}: expected more than 1 value per channel when training, got x "
+                         f"of shape {shape} (channel axis {axis}: {n} value"
+                         f"{'s' if n != 1 else ''} per channel)")
 
 
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -131,15 +149,7 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
     rv = _vector(fn, "running_var", running_var, xa, nch, allowed)
     w = _vector(fn, "weight", weight, xa, nch, allowed)
     b = _vector(fn, "bias", bias, xa, nch, allowed)
-    if not training and (rm is None or rv is None):
-        missing = "running_mean" if rm is None else "running_var"
-        raise ValueError(f"{fn}: eval (training=False) needs running_mean and running_var; "
-                         f"{missing} is None")
-    n = xa.size // nch if nch else 0
-    if training and nch and n <= 1:
-        raise ValueError(f"{fn}: expected more than 1 value per channel when training, got x "
-                         f"of shape {tuple(xa.shape)} (channel axis {axis}: {n} value"
-                         f"{'s' if n != 1 else ''} per channel)")
+    check_statistics(fn, training, rm, rv, tuple(xa.shape), axis)
     z = None
     if addend is not None:
         z = c.adapt(fn, "addend", addend).array
