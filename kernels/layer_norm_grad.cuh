@@ -183,15 +183,8 @@ __global__ void __launch_bounds__(128) layer_norm_grad_warp(CUKERN_NORM_BWD_PARA
       const i64 row = row0 + r;
       if (row >= rows) continue;
       const GradX<LAYER, C, NSUM> gx(s[r], C(0), rs[r], inv_cols);
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const int col = (p * width + lane) * PACK;
-        if (col >= cols) continue;
-        C out[PACK];
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) out[i] = gx.with_xhat(xh[r][p * PACK + i], g[r][p * PACK + i]);
-        st.template store<PACK>(out, row, col);
-      }
+      store_lane_packs<NP, PACK, C>(st, row, width, lane, cols,
+                                    [&](int j) { return gx.with_xhat(xh[r][j], g[r][j]); });
     }
   }
   if constexpr (WEIGHT) {

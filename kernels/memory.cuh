@@ -171,6 +171,23 @@ __device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }
+// Stores a row that a warp kernel's lane holds: lane `lane` of a group of `width` holds packs
+// p = 0 .. NP - 1 of the row, at columns (p * width + lane) * PACK (those from `cols` on are
+// padding); element i of pack p is value(p * PACK + i) (a constant index once unrolled).
+template <int NP, int PACK, typename C, typename St, typename F>
+__device__ __forceinline__ void store_lane_packs(const St& st, i64 row, int width, int lane,
+                                                 int cols, const F& value) {
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    const int col = (p * width + lane) * PACK;
+    if (col >= cols) continue;
+    C out[PACK];
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) out[i] = value(p * PACK + i);
+    st.template store<PACK>(out, row, col);
+  }
+}
+
 // The dynamic shared memory this launch was given.
 __device__ __forceinline__ unsigned dynamic_smem_bytes() {
   unsigned n;

@@ -204,19 +204,9 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
     for (int r = 0; r < RPA; ++r) {
       if (row0 + r >= rows) continue;
       const C rc = row_constant<ALGO>(s.v[r]);
-      const Store<C, T, STRIDED> sr = st.from_row(row0 + r);
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const int col = (p * width + lane) * PACK;
-        if (col >= cols) continue;
-        C out[PACK];
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) {
-          const C v = buf[r][p * PACK + i];
-          out[i] = ALGO == kSoftmax ? v * rc : v - rc;
-        }
-        sr.template store<PACK>(out, 0, col);
-      }
+      store_lane_packs<NP, PACK, C>(st.from_row(row0 + r), 0, width, lane, cols, [&](int j) {
+        return ALGO == kSoftmax ? buf[r][j] * rc : buf[r][j] - rc;
+      });
     }
   }
 }
@@ -482,18 +472,9 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
 #pragma unroll
     for (int r = 0; r < RPA; ++r) {
       if (row0 + r >= rows) continue;
-      const Store<C, T, STRIDED> sr = st.from_row(row0 + r);
-#pragma unroll
-      for (int p = 0; p < NP; ++p) {
-        const int col = (p * width + lane) * PACK;
-        if (col >= cols) continue;
-        C out[PACK];
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) {
-          out[i] = grad_out<ALGO, T>(yb[r][p * PACK + i], db[r][p * PACK + i], s.v[r]);
-        }
-        sr.template store<PACK>(out, 0, col);
-      }
+      store_lane_packs<NP, PACK, C>(st.from_row(row0 + r), 0, width, lane, cols, [&](int j) {
+        return grad_out<ALGO, T>(yb[r][j], db[r][j], s.v[r]);
+      });
     }
   }
 }
