@@ -7,6 +7,7 @@ line's ``--workers N --device cpu`` against the in-process run."""
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import warnings
@@ -171,6 +172,43 @@ def test_norm_backward_partial_sum_tree(rng, dtype, op):
     nw = getattr(cd, op + "_backward")(dya, dxa, *[da.from_array(s, chunks=5) for s in stats])
     assert nw[1] is None
     close(nw[0].compute(), getattr(reference, op + "_backward")(dy, x, *stats)[0], dtype)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_backward_tree_moves_partial_sums_not_dx(rng, op):
+    """On two workers the dweight/dbias tree's nodes pull only the blocks' partial sums: its
+    nodes once read whole packed blocks, dx included, and every node's worker pulled its peers'
+    dx (layer norm forward + backward ran 25x slower on 2 GPUs than on 1)."""
+    distributed = pytest.importorskip("distributed")
+    x = rng.standard_normal((4096, 256)).astype(np.float32)
+    dy = rng.standard_normal((4096, 256)).astype(np.float32)
+    w = rng.standard_normal(256).astype(np.float32)
+    stats = [s.astype(np.float32) for s in getattr(reference, op)(x, 256)[1:]]
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        xa, dya = client.persist([da.from_array(a, chunks=(512, -1)) for a in (x, dy)])
+        sa = client.persist([da.from_array(s, chunks=512) for s in stats])
+        distributed.wait([xa, dya, *sa])
+        with quiet():
+            res = getattr(cd, op + "_backward")(dya, xa, *sa, w)
+        grads = client.compute(list(res[1:]), sync=True)
+
+        def pulled(dask_worker):  # (layer, bytes) of every key a worker fetched
+            log = getattr(dask_worker, "transfer_incoming_log", None)
+            if log is None:
+                log = dask_worker.state.transfer_incoming_log
+            return [(k[0] if isinstance(k, tuple) else k, n) for e in log
+                    for k, n in e.get("keys", {}).items()]
+
+        fetched = [f for got in client.run(pulled).values() for f in got]
+    packed = re.compile(rf"^cukern-{op}_backward-[0-9a-f]{{32}}$")  # the op's (dx, sums) blocks
+    moved = [(layer, n) for layer, n in fetched if packed.match(str(layer))]
+    assert not moved, f"packed blocks (dx and sums) fetched by another worker: {moved[:3]}"
+    assert any(str(layer).endswith("-leaf") for layer, _ in fetched), fetched  # sums did travel
+    refs = getattr(reference, op + "_backward")(dy, x, *stats, w)[1:]
+    for g, ref in zip(grads, refs):
+        close(g, ref, "float32")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -189,13 +189,23 @@ def stat_output(packed: da.Array, i: int, dtype, lead: int) -> da.Array:
 
 
 def tree(name: str, groups: list, combine, extra: tuple, split_every: int, dep: da.Array,
-         roots: list | None = None):
+         roots: list | None = None, leaf=None):
     """Fixed-order reduction trees, one over each list of keys in ``groups`` (all of one
     length): each node calls ``combine(list of up to split_every values, level, *extra)``.
     One layer a level (``{name}-sum-{level}``); with ``roots``, group i's root node gets key
-    ``roots[i]`` (all in the layer ``roots[0][0]``). Returns ``(graph, root keys)``."""
+    ``roots[i]`` (all in the layer ``roots[0][0]``). ``leaf``: a task a key first
+    (``leaf(value)``, layer ``{name}-leaf``) that keeps what the tree needs of a large block
+    on the block's worker, so that only that travels to the nodes. Returns ``(graph, root
+    keys)``."""
     layers, deps, level, below = {}, {}, 0, dep.name
     groups = [list(g) for g in groups]
+    if leaf is not None:
+        lname = f"{name}-leaf"
+        layers[lname] = {(lname, i, j): (leaf, key) for i, keys in enumerate(groups)
+                         for j, key in enumerate(keys)}
+        deps[lname] = {below}
+        groups = [[(lname, i, j) for j in range(len(keys))] for i, keys in enumerate(groups)]
+        below = lname
     while level == 0 or len(groups[0]) > 1:
         last = len(groups[0]) <= split_every and roots is not None
         lname = roots[0][0] if last else f"{name}-sum-{level}"

@@ -4,6 +4,8 @@ dweight and dbias are float32 partial sums per block, added up by a tree reducti
 
 from __future__ import annotations
 
+import functools
+
 import dask.array as da
 import numpy as np
 
@@ -243,11 +245,12 @@ def _backward(op, dy, x, mean, rstd, weight):
     dx = B.output(packed, 0, x.dtype)
     if w is None:
         return (dx, None, None) if layer else (dx, None)
-    # dweight and dbias in one tree: each node adds up its blocks' partial sums, both at once
+    # dweight and dbias in one tree: each node adds up its blocks' partial sums, both at once;
+    # a leaf task a block keeps them (not dx) on the block's worker, so only they travel
     fields = (1, 2) if layer else (1,)
     leaves = [(packed.name, *idx) for idx in np.ndindex(*packed.numblocks)]
-    graph, (root,) = B.tree(packed.name, [leaves], _add_partials, (fields, sdt), SPLIT_EVERY,
-                            packed)
+    graph, (root,) = B.tree(packed.name, [leaves], _add_partials, (sdt,), SPLIT_EVERY,
+                            packed, leaf=functools.partial(_partials, fields=fields))
     grads = []
     for j in range(len(fields)):
         name = f"cukern-grad{j}-{packed.name}"
@@ -257,12 +260,15 @@ def _backward(op, dy, x, mean, rstd, weight):
     return (dx, *grads)
 
 
-def _add_partials(values: list, level: int, fields, sdt):
-    """A tree node: the sums of its values' partial sums (``fields`` of packed blocks at
-    level 0, tuples of sums above), added in order in ``sdt``."""
-    picks = fields if level == 0 else range(len(fields))
+def _partials(block: tuple, fields) -> tuple:
+    """A packed block's partial sums (its ``fields``), without dx."""
+    return tuple(block[f] for f in fields)
+
+
+def _add_partials(values: list, level: int, sdt):
+    """A tree node: its values' tuples of partial sums added up in order, in ``sdt``."""
     out = []
-    for f in picks:
+    for f in range(len(values[0])):
         acc = values[0][f].astype(sdt, copy=True)
         for v in values[1:]:
             acc += v[f]
