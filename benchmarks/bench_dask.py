@@ -220,12 +220,16 @@ def scaling(args) -> list[dict]:
             for op in OPS:
                 shape, chunks = shapes(op, args.gb_per_gpu * n, args.chunk_mb)
                 x, dy = resident(client, shape, chunks, op == "layer_norm_fwd_bwd")
+                client.run(_clear_transfer_log)
                 t = _wall_median(lambda: through_dask(op, x, dy, persist), args.reps)
+                moved = sum(client.run(_transferred_bytes).values()) / (args.reps + 1)
                 nbytes = int(np.prod(shape)) * 2
                 results.append(dict(op=op, dtype="float16", gpus=n, shape=list(shape),
-                                    gb=nbytes / 1e9, ms=1e3 * t, gbps=nbytes / t / 1e9))
+                                    gb=nbytes / 1e9, ms=1e3 * t, gbps=nbytes / t / 1e9,
+                                    moved_mb=moved / 2**20))
                 print(f"{n} GPU{'s' if n > 1 else ' '} {op:20s} {1e3 * t:10.2f} ms "
-                      f"{nbytes / t / 1e9:8.1f} GB/s (of x)", flush=True)
+                      f"{nbytes / t / 1e9:8.1f} GB/s (of x), {moved / 2**20:9.2f} MiB "
+                      "between workers a call", flush=True)
                 x = dy = None  # released on the workers
     one = {r["op"]: r["gbps"] for r in results if r["gpus"] == counts[0]}
     for r in results:
@@ -234,6 +238,15 @@ def scaling(args) -> list[dict]:
                                              else 1)
         r["target_met"] = r["speedup"] >= want or r["gpus"] == 1
     return results
+
+
+def _clear_transfer_log(dask_worker) -> None:
+    dask_worker.transfer_incoming_log.clear()
+
+
+def _transferred_bytes(dask_worker) -> int:
+    """Bytes this worker fetched from its peers since the log was cleared."""
+    return sum(t["total"] for t in dask_worker.transfer_incoming_log)
 
 
 def _wall_median(fn, reps: int) -> float:

@@ -19,7 +19,9 @@ moved (``cukern.graph.api.bytes_moved``: each op reads its activations once, a t
 norm x twice, writes its result; permutes twice their array), the eager count also credited to
 PyTorch. ``pct_copy``: bytes / time against a same-size device copy measured in the same run.
 Host time: a captured 10-op chain on (2, 8, 4, 4) float32 (``cap(x)``: input copy + one graph
-launch; ``cap.launch()``), beside the same chain eager and uncaptured.
+launch; ``cap.launch()``), beside the same chain eager and uncaptured: the median time to
+enqueue 16 calls onto an idle GPU, a call (``_bench.enqueue_us``); also the GPU time of one
+replay and the time a call of a back-to-back loop, which is the GPU's where that is longer.
 
     python benchmarks/bench_graph.py [--quick] [--out DIR]
 
@@ -204,7 +206,11 @@ def host_times(n: int) -> dict:
     out = {"ops": len(g.graph.ops()), "ops_optimised": len(opt.graph.ops())}
     for label, f in (("captured_call", lambda: cap(x)), ("captured_launch", cap.launch),
                      ("graph_uncaptured", lambda: opt(x, p)), ("eager", lambda: chain(x, p))):
-        out[label + "_us"] = _bench.best_host_us(f, n if "captured" in label else n // 20)
+        out[label + "_us"] = _bench.enqueue_us(f, batches=400 if "captured" in label else 40)
+    # back-to-back calls and the GPU time of a replay: where the replay's 10+ kernels take the
+    # GPU longer than the host takes to launch them, a loop of calls runs at the GPU's pace
+    out["captured_call_back_to_back_us"] = _bench.best_host_us(lambda: cap(x), n)
+    out["captured_gpu_us"] = _bench.time_gpu(lambda i: cap(x), 1) * 1e3
     return out
 
 

@@ -305,6 +305,26 @@ def best_host_us(fn: Callable[[], object], n: int = 20000) -> float:
     return best
 
 
+def enqueue_us(fn: Callable[[], object], batches: int = 400, per_batch: int = 16) -> float:
+    """Microseconds of host time per call of ``fn``: the median over ``batches`` of the time to
+    enqueue ``per_batch`` calls onto an idle GPU, short enough that the launch queue never fills
+    and blocks the host. (``best_host_us`` times calls back to back, so where a call's GPU work
+    takes longer than its launch, it reads the GPU's time.)"""
+    import cupy as cp
+
+    for _ in range(50):
+        fn()
+    cp.cuda.Device().synchronize()
+    samples = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        samples.append((time.perf_counter() - t0) / per_batch * 1e6)
+        cp.cuda.Device().synchronize()
+    return statistics.median(samples)
+
+
 def host_overhead_us(n: int = 20000) -> dict:
     """Microseconds of host time per call on a tiny array (the GPU is never the bottleneck)."""
     import cupy as cp
