@@ -544,10 +544,6 @@ def _flat_args(plan):
             np.uint32(upp))
 
 
-def _elementwise(step, plan, view, x, z, coef, y, mask, *tail):
-    step(x, z, coef, y, mask, *_flat_args(plan), *tail)
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation and layouts.
 
