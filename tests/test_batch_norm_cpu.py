@@ -645,7 +645,7 @@ def test_eps_the_fast_path_takes():
 
 
 def test_view_cache_is_bounded():
-    from cukern.ops import batch_norm as bn
+    from cukern.ops import batch_norm_args as bn
 
     for n in range(1, 100_001):  # 100,000 distinct batch sizes
         assert bn._view_of((n, 8, 7, 7), (784, 98, 14, 2), 2, 1) == (n, 8, 49)

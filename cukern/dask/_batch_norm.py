@@ -9,8 +9,7 @@ import dask.array as da
 import numpy as np
 
 from .. import reference, runner
-from ..ops import batch_norm as bn_ops
-from ..ops.batch_norm import _flag, _momentum, _param_dtypes
+from ..ops.batch_norm_args import _flag, _momentum, _param_dtypes, check_statistics
 from . import _blocks as B
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats"]
@@ -217,7 +216,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
         _vector(fn, name, v, x, ax, allowed)
     w = _vector(fn, "weight", weight, x, ax, allowed)
     b = _vector(fn, "bias", bias, x, ax, allowed)
-    bn_ops.check_statistics(fn, training, running_mean, running_var, tuple(x.shape), ax)
+    check_statistics(fn, training, running_mean, running_var, tuple(x.shape), ax)
     n = x.size // x.shape[ax] if x.shape[ax] else 0  # values a channel
     z = None
     if addend is not None:
@@ -424,7 +423,7 @@ def _keep(xp, words, like, axis: int):
     (outer, C, inner) view describes as a C-order copy)."""
     order = sorted(range(like.ndim), key=lambda i: (-abs(like.strides[i]), i))
     if xp is not np:
-        from ..ops.batch_norm import _view_of
+        from ..ops.batch_norm_args import _view_of
 
         if _view_of(like.shape, like.strides, like.itemsize, axis) is None:
             order = list(range(like.ndim))

@@ -1,22 +1,47 @@
 """Batch norm over the channel axis of a CuPy (or DLPack) array: training and eval forward with
-a fused add and ReLU (and its 1-bit mask), the backward, and per-channel batch statistics."""
+a fused add and ReLU (and its 1-bit mask), the backward, and per-channel batch statistics.
+
+The public functions, their fast path and launch cache; the launches are in
+:mod:`cukern.ops.batch_norm_launch`, the argument checks and working layouts in
+:mod:`cukern.ops.batch_norm_args`."""
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
-
 import numpy as np
 
-from .. import _compile, registry
+from .. import registry
 from .. import runner as c
 from ..plan import batch_norm as bnplan
+from .batch_norm_args import (
+    _axis,
+    _check_out,
+    _compute_copy,
+    _copy_like,
+    _empty_like,
+    _flag,
+    _momentum,
+    _param_dtypes,
+    _same_layout,
+    _same_strides,
+    _stat_dtype,
+    _vector,
+    _working,
+    check_statistics,
+)
+from .batch_norm_launch import (
+    _NULL,
+    _arg,
+    _flat_args,
+    _Forward,
+    _Kernel,
+    _last,
+    _Launches,
+    _plane_args,
+    _stats,
+)
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "last_plan"]
 
-_NULL = np.uint64(0)  # a null pointer argument
-_SOURCE = "batch_norm"
 _launches: dict[tuple, _Launches] = c.BoundedDict()
 # The fast path: a CuPy call whose arrays' layouts and scalars' types the full path validated
 # and planned before (_fresh_key) -> its launches.
@@ -26,24 +51,6 @@ _fresh: dict[tuple, _Forward] = c.BoundedDict()
 _EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
-
-
-
-def check_statistics(fn: str, training: bool, running_mean, running_var, shape: tuple,
-                     axis: int) -> None:
-    """Eval needs both running statistics; training more than one value per channel (PyTorch's
-    rule). ``shape``: x's, ``axis``: its channel axis (also for :mod:`cukern.dask`)."""
-    if not training and (running_mean is None or running_var is None):
-        missing = "running_mean" if running_mean is None else "running_var"
-        raise ValueError(f"{fn}: eval (training=False) needs running_mean and running_var; "
-                         f"{missing} is None")
-    nch = shape[axis]
-    n = math.prod(shape) // nch if nch else 0
-    if training and nch and n <= 1:
-        raise ValueError(f"{fn}: expected more than 1 value per channel when training, got x "
-                         f"of shape {shape} (channel axis {axis}: {n} value"
-                         f"{'s' if n != 1 else ''} per channel)")
 
 
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -385,96 +392,7 @@ def last_plan(op: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# Launches.
-
-class _Kernel:
-    """One planned step, compiled, with its grid, block and dynamic shared memory."""
-
-    __slots__ = ("kind", "pack", "kernel", "grid", "block", "smem")
-
-    def __init__(self, step: bnplan.Step, device_id: int):
-        self.kind = step.kind
-        self.pack = step.targs[1] if len(step.targs) > 1 else 1  # elements a thread's access
-        self.kernel = _compile.get_kernel(_SOURCE, step.kernel, device_id)
-        self.grid = step.grid
-        self.block = step.block
-        self.smem = step.smem
-
-    def __call__(self, *args) -> None:
-        self.kernel(self.grid, self.block, args, shared_mem=self.smem)
-
-
-class _Launches:
-    __slots__ = ("plan", "steps", "fwd")
-
-    def __init__(self, plan, steps):
-        self.plan = plan
-        self.steps = steps
-        self.fwd: _Forward | None = None  # batch_norm's launches with their fixed arguments
-
-
-class _Forward:
-    """batch_norm's launches for one layout and set of switches, with the arguments that do
-    not change from call to call converted once; what both the full path and the fast path
-    (a CuPy call of a layout seen before) run."""
-
-    __slots__ = ("plan", "device", "cdt", "nch", "words", "want_mask", "stats", "finalize", "apply",
-                 "coef", "part_shape", "count", "training", "stats_tail", "fin_head",
-                 "apply_tail")
-
-    def __init__(self, plan, steps, device_id: int, relu: bool, want_mask: bool):
-        a_, ch, inner = plan.view
-        cdt = _stat_dtype(plan.dtype)
-        self.plan, self.device, self.cdt, self.nch = plan, device_id, cdt, ch
-        self.words, self.want_mask = -(-(a_ * ch * inner) // 32), want_mask
-        self.stats = steps[0] if plan.training else None
-        self.finalize = steps[-2] if len(steps) > 1 and steps[-2].kind == "finalize" else None
-        self.apply = steps[-1]
-        self.coef = len(steps) > 1  # training, or eval with mean and invstd asked for
-        self.part_shape = (ch, plan.splits, 3) if plan.splits > 1 else None
-        cs = c._c_scalars
-        self.count, self.training = cs((cdt(a_ * inner), np.int32(plan.training)))
-        if self.stats is None:
-            self.stats_tail = ()
-        elif plan.layout == bnplan.PLANES:
-            self.stats_tail = cs((np.int64(a_), np.int32(ch), *_plane_args(plan),
-                                  np.int32(plan.splits)))
-        else:
-            self.stats_tail = cs((np.int64(a_), np.int32(ch // self.stats.pack),
-                                  np.int32(plan.splits)))
-        self.fin_head = cs((np.int32(plan.splits), np.int32(ch)))
-        self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
-
-    def __call__(self, x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps) -> None:
-        cdt = self.cdt
-        coef = None
-        if self.coef:
-            coef = c.cp.empty((self.nch, 4), cdt)
-            finish = (self.count, self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
-                      cdt(momentum), cdt(eps), _arg(mean), _arg(invstd), _NULL, coef)
-            part = None
-            if self.stats is not None:
-                if self.part_shape is not None:
-                    part = c.cp.empty(self.part_shape, cdt)
-                self.stats(x, _arg(part), *self.stats_tail, *finish)
-            if self.finalize is not None:
-                self.finalize(_arg(part), *self.fin_head, *finish)
-            c.keep(coef, part)  # a captured graph writes them on every replay
-        self.apply(x, _arg(z), _arg(coef), y, _arg(mask), *self.apply_tail, _arg(rm), _arg(rv),
-                   _arg(w), _arg(b), cdt(eps))
-
-    def fresh(self, x, rm, rv, w, b, z, momentum, eps, return_stats: bool):
-        """The fast path: new outputs for a validated layout, then the launches."""
-        y = _empty_like(x)
-        mask = c.cp.empty((self.words,), np.int32) if self.want_mask else None
-        mean = invstd = None
-        if return_stats:
-            mean = c.cp.empty((self.nch,), self.cdt)
-            invstd = c.cp.empty((self.nch,), self.cdt)
-        self(x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps)
-        _last["batch_norm"] = self.plan
-        return (y, mean, invstd, mask) if return_stats else y
-
+# The fast path's key and the launch cache.
 
 def _param_key(a):
     return None if a is None else (type(a) is _ndarray, a.dtype, a.shape, a.strides,
@@ -510,167 +428,3 @@ def _get_plan(op, dtype, dev, view, arrays, copied, **switches):
                                       copied=copied, signature=spec.signature, **switches)
         hit = _launches[key] = _Launches(plan, [_Kernel(s, dev) for s in plan.steps])
     return hit.plan, hit.steps, hit
-
-
-def _stats(step, xw, plan, view, finish):
-    """Launches the statistics pass: partial states (returned), or with one split the
-    finished channels (``finish``: the bn::Finish arguments; returns None)."""
-    a_, ch, inner = view
-    part = None
-    if plan.splits > 1:
-        part = c.cp.empty((ch, plan.splits, 3), _stat_dtype(plan.dtype))
-    if plan.layout == bnplan.PLANES:
-        step(xw, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
-             np.int32(plan.splits), *finish)
-    else:
-        step(xw, _arg(part), np.int64(a_), np.int32(ch // step.pack), np.int32(plan.splits),
-             *finish)
-    return part
-
-
-def _plane_args(plan):
-    """The planes reductions' (B, W, w_m, w_s): elements and packs a plane (bnplan.plane_packs)
-    and the fast_div constants of W."""
-    inner = plan.view.inner
-    w = bnplan.plane_packs(inner, plan.pack)
-    mg, sh = bnplan.fast_div(w)
-    return np.int32(inner), np.int32(w), np.uint32(mg), np.uint32(sh)
-
-
-def _flat_args(plan):
-    """The elementwise kernels' (total, CBp, d, d_m, d_s, upp) (bnplan.flat_args)."""
-    total, cbp, d, mg, sh, upp = bnplan.flat_args(plan)
-    return (np.int64(total), np.int32(cbp), np.int32(d), np.uint32(mg), np.uint32(sh),
-            np.uint32(upp))
-
-
-def _elementwise(step, plan, view, x, z, coef, y, mask, *tail):
-    step(x, z, coef, y, mask, *_flat_args(plan), *tail)
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation and layouts.
-
-def _arg(a):
-    return _NULL if a is None else a
-
-
-def _stat_dtype(dtype: str):
-    return np.float64 if dtype == "float64" else np.float32
-
-
-@functools.cache
-def _param_dtypes(dtype: str) -> tuple:
-    """Dtypes a per-channel parameter or statistic may have for data of ``dtype``."""
-    data = next(d for d, n in c.DTYPE_NAMES.items() if n == dtype)
-    if dtype in ("float16", "bfloat16"):
-        return (np.dtype(np.float32), data)
-    return (data,)
-
-
-def _axis(fn: str, axis, xa) -> int:
-    if xa.ndim < 2:
-        raise ValueError(f"{fn}: x has {xa.ndim} dimension{'s' if xa.ndim != 1 else ''}, "
-                         f"expected at least 2 (N, C, ...)")
-    return c.normalize_axis(fn, axis, xa.ndim)
-
-
-def _flag(fn: str, name: str, v) -> bool:
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{fn}: {name} must be True or False, got {v!r}")
-    return bool(v)
-
-
-def _momentum(fn: str, momentum) -> float:
-    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, numbers.Real):
-        raise TypeError(f"{fn}: momentum must be a real number, got {type(momentum).__name__}")
-    m = float(momentum)
-    if not 0.0 <= m <= 1.0:
-        raise ValueError(f"{fn}: momentum must be in [0, 1], got {m}")
-    return m
-
-
-def _vector(fn: str, name: str, v, xa, nch: int, allowed: tuple):
-    """A per-channel array: shape (C,), one of ``allowed`` dtypes, x's device (None passes)."""
-    if v is None:
-        return None
-    a = c.adapt(fn, name, v).array
-    if tuple(a.shape) != (nch,):
-        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected ({nch},) (one "
-                         f"value per channel of x, whose shape is {tuple(xa.shape)})")
-    if a.dtype not in allowed:
-        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected "
-                        f"{' or '.join(str(d) for d in allowed)} for {xa.dtype} x")
-    if a.data.device_id != xa.data.device_id:
-        raise ValueError(f"{fn}: {name} is on GPU {a.data.device_id} but x is on GPU "
-                         f"{xa.data.device_id}")
-    return a
-
-
-def _compute_copy(a, dtype):
-    """(array for the kernels, whether results must be copied back into ``a``): ``a`` itself
-    when it is contiguous in the compute dtype, else a converted copy."""
-    if a is None:
-        return None, False
-    if a.dtype == np.dtype(dtype) and a.flags.c_contiguous:
-        return a, False
-    return c.cp.ascontiguousarray(a.astype(dtype)), True
-
-
-def _same_strides(a, b) -> bool:
-    return tuple(a.shape) == tuple(b.shape) and all(
-        s == t for n, s, t in zip(a.shape, a.strides, b.strides) if n > 1)
-
-
-def _same_layout(fn: str, name: str, z, xa) -> None:
-    if tuple(z.shape) != tuple(xa.shape):
-        raise ValueError(f"{fn}: {name} has shape {tuple(z.shape)}, expected {tuple(xa.shape)} "
-                         f"(x's shape; broadcasting is not supported)")
-    if z.dtype != xa.dtype:
-        raise TypeError(f"{fn}: {name} has dtype {z.dtype}, expected {xa.dtype} (x's dtype)")
-    if z.data.device_id != xa.data.device_id:
-        raise ValueError(f"{fn}: {name} is on GPU {z.data.device_id} but x is on GPU "
-                         f"{xa.data.device_id}")
-    if not _same_strides(z, xa):
-        raise ValueError(f"{fn}: {name} has strides {z.strides}, expected x's {xa.strides} "
-                         f"(the same memory layout; broadcasting is not supported)")
-
-
-def _check_out(fn: str, o, xa, others) -> None:
-    if any(s == 0 and n > 1 for s, n in zip(o.strides, o.shape)):
-        raise ValueError(f"{fn}: out has overlapping elements (strides {o.strides})")
-    if not (o.data.ptr == xa.data.ptr and _same_strides(o, xa)) and \
-            c.cp.may_share_memory(o, xa):
-        raise ValueError(f"{fn}: out overlaps x without being x itself")
-    for name, a in others:
-        if a is not None and c.cp.may_share_memory(o, a):
-            raise ValueError(f"{fn}: out overlaps {name}; pass a separate array")
-
-
-@functools.lru_cache(maxsize=1024)
-def _view_of(shape, strides, itemsize: int, axis: int):
-    return bnplan.channel_view(shape, tuple(s // itemsize for s in strides), axis)
-
-
-def _working(xa, axis: int):
-    """(array, (A, C, B) view, copied): x itself when dense, else a C-order copy."""
-    view = _view_of(xa.shape, xa.strides, xa.itemsize, axis)
-    if view is not None:
-        return xa, view, False
-    xc = c.cp.ascontiguousarray(xa)
-    return xc, _view_of(xc.shape, xc.strides, xc.itemsize, axis), True
-
-
-def _empty_like(a):
-    """An uninitialised array with ``a``'s shape, dtype and (dense) memory layout."""
-    if a.flags.c_contiguous:
-        return c.cp.empty(a.shape, a.dtype)
-    order = sorted(range(a.ndim), key=lambda i: (-abs(a.strides[i]), i))
-    base = c.cp.empty(tuple(a.shape[i] for i in order), a.dtype)
-    return base.transpose(tuple(int(i) for i in np.argsort(order)))
-
-
-def _copy_like(src, like):
-    dst = _empty_like(like)
-    dst[...] = src
-    return dst

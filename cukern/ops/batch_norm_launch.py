@@ -1,0 +1,144 @@
+"""Batch norm's launches (for :mod:`cukern.ops.batch_norm`): a planned step compiled with its
+grid (``_Kernel``), a layout's steps (``_Launches``), the forward's launches with the arguments
+that do not change from call to call converted once (``_Forward``, what the fast path runs), and
+the reductions' and elementwise passes' scalar arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _compile
+from .. import runner as c
+from ..plan import batch_norm as bnplan
+from .batch_norm_args import _empty_like, _stat_dtype
+
+__all__: list[str] = []  # cukern.ops.batch_norm's internals
+
+_NULL = np.uint64(0)  # a null pointer argument
+_SOURCE = "batch_norm"
+_last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
+
+
+class _Kernel:
+    """One planned step, compiled, with its grid, block and dynamic shared memory."""
+
+    __slots__ = ("kind", "pack", "kernel", "grid", "block", "smem")
+
+    def __init__(self, step: bnplan.Step, device_id: int):
+        self.kind = step.kind
+        self.pack = step.targs[1] if len(step.targs) > 1 else 1  # elements a thread's access
+        self.kernel = _compile.get_kernel(_SOURCE, step.kernel, device_id)
+        self.grid = step.grid
+        self.block = step.block
+        self.smem = step.smem
+
+    def __call__(self, *args) -> None:
+        self.kernel(self.grid, self.block, args, shared_mem=self.smem)
+
+
+class _Launches:
+    __slots__ = ("plan", "steps", "fwd")
+
+    def __init__(self, plan, steps):
+        self.plan = plan
+        self.steps = steps
+        self.fwd: _Forward | None = None  # batch_norm's launches with their fixed arguments
+
+
+class _Forward:
+    """batch_norm's launches for one layout and set of switches, with the arguments that do
+    not change from call to call converted once; what both the full path and the fast path
+    (a CuPy call of a layout seen before) run."""
+
+    __slots__ = ("plan", "device", "cdt", "nch", "words", "want_mask", "stats", "finalize", "apply",
+                 "coef", "part_shape", "count", "training", "stats_tail", "fin_head",
+                 "apply_tail")
+
+    def __init__(self, plan, steps, device_id: int, relu: bool, want_mask: bool):
+        a_, ch, inner = plan.view
+        cdt = _stat_dtype(plan.dtype)
+        self.plan, self.device, self.cdt, self.nch = plan, device_id, cdt, ch
+        self.words, self.want_mask = -(-(a_ * ch * inner) // 32), want_mask
+        self.stats = steps[0] if plan.training else None
+        self.finalize = steps[-2] if len(steps) > 1 and steps[-2].kind == "finalize" else None
+        self.apply = steps[-1]
+        self.coef = len(steps) > 1  # training, or eval with mean and invstd asked for
+        self.part_shape = (ch, plan.splits, 3) if plan.splits > 1 else None
+        cs = c._c_scalars
+        self.count, self.training = cs((cdt(a_ * inner), np.int32(plan.training)))
+        if self.stats is None:
+            self.stats_tail = ()
+        elif plan.layout == bnplan.PLANES:
+            self.stats_tail = cs((np.int64(a_), np.int32(ch), *_plane_args(plan),
+                                  np.int32(plan.splits)))
+        else:
+            self.stats_tail = cs((np.int64(a_), np.int32(ch // self.stats.pack),
+                                  np.int32(plan.splits)))
+        self.fin_head = cs((np.int32(plan.splits), np.int32(ch)))
+        self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
+
+    def __call__(self, x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps) -> None:
+        cdt = self.cdt
+        coef = None
+        if self.coef:
+            coef = c.cp.empty((self.nch, 4), cdt)
+            finish = (self.count, self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
+                      cdt(momentum), cdt(eps), _arg(mean), _arg(invstd), _NULL, coef)
+            part = None
+            if self.stats is not None:
+                if self.part_shape is not None:
+                    part = c.cp.empty(self.part_shape, cdt)
+                self.stats(x, _arg(part), *self.stats_tail, *finish)
+            if self.finalize is not None:
+                self.finalize(_arg(part), *self.fin_head, *finish)
+            c.keep(coef, part)  # a captured graph writes them on every replay
+        self.apply(x, _arg(z), _arg(coef), y, _arg(mask), *self.apply_tail, _arg(rm), _arg(rv),
+                   _arg(w), _arg(b), cdt(eps))
+
+    def fresh(self, x, rm, rv, w, b, z, momentum, eps, return_stats: bool):
+        """The fast path: new outputs for a validated layout, then the launches."""
+        y = _empty_like(x)
+        mask = c.cp.empty((self.words,), np.int32) if self.want_mask else None
+        mean = invstd = None
+        if return_stats:
+            mean = c.cp.empty((self.nch,), self.cdt)
+            invstd = c.cp.empty((self.nch,), self.cdt)
+        self(x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps)
+        _last["batch_norm"] = self.plan
+        return (y, mean, invstd, mask) if return_stats else y
+
+
+def _stats(step, xw, plan, view, finish):
+    """Launches the statistics pass: partial states (returned), or with one split the
+    finished channels (``finish``: the bn::Finish arguments; returns None)."""
+    a_, ch, inner = view
+    part = None
+    if plan.splits > 1:
+        part = c.cp.empty((ch, plan.splits, 3), _stat_dtype(plan.dtype))
+    if plan.layout == bnplan.PLANES:
+        step(xw, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
+             np.int32(plan.splits), *finish)
+    else:
+        step(xw, _arg(part), np.int64(a_), np.int32(ch // step.pack), np.int32(plan.splits),
+             *finish)
+    return part
+
+
+def _plane_args(plan):
+    """The planes reductions' (B, W, w_m, w_s): elements and packs a plane (bnplan.plane_packs)
+    and the fast_div constants of W."""
+    inner = plan.view.inner
+    w = bnplan.plane_packs(inner, plan.pack)
+    mg, sh = bnplan.fast_div(w)
+    return np.int32(inner), np.int32(w), np.uint32(mg), np.uint32(sh)
+
+
+def _flat_args(plan):
+    """The elementwise kernels' (total, CBp, d, d_m, d_s, upp) (bnplan.flat_args)."""
+    total, cbp, d, mg, sh, upp = bnplan.flat_args(plan)
+    return (np.int64(total), np.int32(cbp), np.int32(d), np.uint32(mg), np.uint32(sh),
+            np.uint32(upp))
+
+
+def _arg(a):
+    return _NULL if a is None else a
