@@ -211,6 +211,63 @@ def test_norm_backward_tree_moves_partial_sums_not_dx(rng, op):
         close(g, ref, "float32")
 
 
+def _block_deps(arr) -> dict:
+    """Each block task of ``arr``'s top layer -> the keys it depends on."""
+    graph = dict(arr.__dask_graph__())
+    return {k: set(dask.core.get_dependencies(graph, k)) for k in graph
+            if isinstance(k, tuple) and k[0] == arr.name}
+
+
+def _one_block_lineage(arr) -> None:
+    """Every block task of ``arr`` reads only blocks at its own index: no task that every
+    block shares, which would make its worker a candidate for every block and let the
+    scheduler move whole blocks there."""
+    for key, deps in _block_deps(arr).items():
+        assert deps, key
+        for d in deps:
+            # the same block index (a per-row statistic: the index of its leading axes)
+            assert isinstance(d, tuple) and d[1:] == key[1:len(d)], (key, d)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_parameters_ride_inside_the_block_tasks(rng, dtype):
+    """Weight, bias, the batch's statistics and running statistics are NumPy/CuPy values in
+    each block's task, not shared tasks (on 2 GPUs the scheduler moved 15-45 GB a call to the
+    worker holding such a task)."""
+    dt = np_dtype(dtype)
+    x = da.from_array(rng.standard_normal((64, 32)).astype(dt), chunks=(8, -1))
+    dy = da.from_array(rng.standard_normal((64, 32)).astype(dt), chunks=(8, -1))
+    w, b = (rng.standard_normal(32).astype(dt) for _ in range(2))
+    y, mean, rstd = cd.layer_norm(x, 32, w, b, return_stats=True)
+    _one_block_lineage(_packed(y))
+    dx = cd.layer_norm_backward(dy, x, mean, rstd, w)[0]
+    _one_block_lineage(_packed(dx))
+    xb = da.from_array(rng.standard_normal((16, 4, 3, 3)).astype(dt), chunks=(2, -1, -1, -1))
+    rm, rv = np.zeros(4, np.float32), np.ones(4, np.float32)
+    wc, bc = np.ones(4, np.float32), np.zeros(4, np.float32)
+    for training in (True, False):
+        yb = cd.batch_norm(xb, rm.copy(), rv.copy(), wc, bc, training=training)
+        _one_block_lineage(yb)
+    yb, mu, ist, _ = cd.batch_norm(xb, rm, rv, wc, bc, training=True, return_stats=True)
+    dyb = da.from_array(rng.standard_normal((16, 4, 3, 3)).astype(dt), chunks=(2, -1, -1, -1))
+    res = cd.batch_norm_backward(dyb, xb, mu.compute(), ist.compute(), wc)
+    graph = dict(res[0].__dask_graph__())
+    sums = [k for k in graph if isinstance(k, tuple) and str(k[0]).startswith("cukern-sums-")
+            and len(k) == 6]
+    assert sums
+    for k in sums:  # the backward's per-block sums read their own blocks only
+        for d in dask.core.get_dependencies(graph, k):
+            assert d[1:5] == k[1:5], (k, d)
+
+
+def _packed(arr):
+    """The tuple-valued layer under an op's output (``cukern-out0-<packed>``)."""
+    graph = arr.__dask_graph__()
+    name = arr.name.split("cukern-out0-", 1)[1] if arr.name.startswith("cukern-out0-") \
+        else arr.name
+    return type(arr)(graph, name, chunks=arr.chunks, dtype=arr.dtype, meta=arr._meta)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch norm: Chan's merge, synchronised statistics, running statistics, the backward.
 

@@ -31,8 +31,9 @@ def _start(fn: str, x, axis, training):
     return x, dtype, _axis(fn, x, axis), _flag(fn, "training", training)
 
 
-def _vector(fn: str, name: str, v, x: da.Array, axis: int, allowed) -> da.Array | None:
-    """A per-channel argument, checked like the op's, chunked like x's channel axis."""
+def _vector(fn: str, name: str, v, x: da.Array, axis: int, allowed):
+    """A per-channel argument, checked like the op's, chunked like x's channel axis (see
+    :func:`_blocks.param`)."""
     if v is None:
         return None
     if not hasattr(v, "shape") or not hasattr(v, "dtype"):
@@ -234,35 +235,42 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
             mean_v, var_v = _stat(m, 0, np.float64), _stat(m, 1, np.float64)
             _update(running_mean, mean_v, momentum, 1.0)
             _update(running_var, var_v, momentum, n / (n - 1))
-            mean, var = (da.from_array(B.cast(a, sdt), chunks=chunks, asarray=False,
-                                       name=B.fresh_name(f"batch-{w}"))
-                         for w, a in (("mean", mean_v), ("var", var_v)))
+            mean, var = (B.param(fn, name, B.cast(a, sdt), chunks)
+                         for name, a in (("mean", mean_v), ("var", var_v)))
         else:
             mean, var = _mean_var(moments, sdt)
     else:
-        mean, var = (B.param(fn, n, v, chunks).map_blocks(B.to_float, sdt, dtype=sdt,
-                                                           meta=B.meta(x, sdt, 1))
+        mean, var = (B.param(fn, n, v, chunks)
                      for n, v in (("running_mean", running_mean), ("running_var", running_var)))
     want_mask = relu and return_stats
     ind = tuple(range(x.ndim))
-    args = [x, ind, mean, (ax,), var, (ax,)]
-    for p in (w, b):
-        if p is not None:
-            args += [p, (ax,)]
-    if z is not None:
-        args += [z, ind]
+    args = [x, ind] + ([z, ind] if z is not None else [])
+    params = B.with_params(args, {"mean": mean, "var": var, "w": w, "b": b},
+                           dict.fromkeys(("mean", "var", "w", "b"), (ax,)))
     packed = da.blockwise(_apply_block, ind, *args, axis=ax, eps=eps, relu=relu,
-                          has=(w is not None, b is not None, z is not None), mask=want_mask,
-                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
+                          mask=want_mask, dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn),
+                          **params)
     y = B.output(packed, 0, x.dtype) if want_mask else packed  # a tuple only with the mask
     if not return_stats:
         return y
+    mean, var = (_as_stat(n, v, sdt, chunks, x) for n, v in (("mean", mean), ("var", var)))
     invstd = 1.0 / da.sqrt(var + sdt.type(eps))
     mask = None
     if want_mask:
         words = [-(-int(np.prod(s)) // 32) for s in _block_shapes(x)]
         mask = B.per_block(packed, 1, np.int32, words)
     return y, mean, invstd.astype(sdt), mask
+
+
+def _as_stat(name: str, v, sdt, chunks, x: da.Array) -> da.Array:
+    """A per-channel statistic the blocks used (Dask, NumPy or CuPy) as a Dask array of
+    ``sdt``, to return."""
+    if not isinstance(v, da.Array):
+        return da.from_array(B.to_float(v, sdt), chunks=chunks, asarray=False,
+                             name=B.fresh_name(f"batch-{name}"))
+    if v.dtype == sdt:
+        return v
+    return v.map_blocks(B.to_float, sdt, dtype=sdt, meta=B.meta(x, sdt, 1))
 
 
 def _block_shapes(x: da.Array):
@@ -281,10 +289,13 @@ def _update(running, batch, momentum: float, scale: float) -> None:
     running[...] = B.cast((1.0 - momentum) * old + momentum * scale * batch, running.dtype)
 
 
-def _apply_block(x, mean, var, *rest, axis: int, eps: float, relu: bool, has, mask: bool):
-    it = iter(rest)
-    w, b, z = (B.like(next(it), x) if h else None for h in has)
-    mean, var = B.like(mean, x), B.like(var, x)
+def _apply_block(x, *rest, axis: int, eps: float, relu: bool, mask: bool, dask_params,
+                 literals):
+    rest, p = B.take_params(rest, dask_params, literals, x)
+    z = B.like(rest[0], x) if rest else None
+    w, b = p.get("w"), p.get("b")
+    sdt = B.stat_dtype(x.dtype)
+    mean, var = B.to_float(p["mean"], sdt), B.to_float(p["var"], sdt)
     if B.is_cupy(x):
         import cukern
 
@@ -332,21 +343,23 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     m = _mask_blocks(fn, mask, x)
     ind = tuple(range(x.ndim))
     nd = x.ndim
-    args = [dy, ind, x, ind, mu, (ax,), ist, (ax,)] + ([m, ind] if m is not None else [])
-    parts = da.blockwise(_sums_block, ind + (nd,), *args, axis=ax, has_mask=m is not None,
-                         new_axes={nd: 2}, adjust_chunks={i: 1 for i in ind if i != ax},
-                         dtype=np.float64, meta=B.meta(x, np.float64, nd + 1),
-                         name=B.fresh_name("sums"))
+    args = [dy, ind, x, ind] + ([m, ind] if m is not None else [])
+    stats = B.with_params(args, {"mean": mu, "invstd": ist}, {"mean": (ax,), "invstd": (ax,)})
+    parts = da.blockwise(_sums_block, ind + (nd,), *args, axis=ax, new_axes={nd: 2},
+                         adjust_chunks={i: 1 for i in ind if i != ax}, dtype=np.float64,
+                         meta=B.meta(x, np.float64, nd + 1), name=B.fresh_name("sums"),
+                         **stats)
     sums = _per_channel(parts, ax, _add_sums, "sums")
     dbias, dweight = (_column(sums, j, np.float64) for j in (0, 1))
     nch = x.shape[ax]
     n = x.size // nch if nch else 0
-    args = [dy, ind, x, ind, mu, (ax,), ist, (ax,), dbias, (ax,), dweight, (ax,)]
+    args = [dy, ind, x, ind, dbias, (ax,), dweight, (ax,)]
     args += [m, ind] if m is not None else []
-    args += [w, (ax,)] if w is not None else []
+    params = B.with_params(args, {"mean": mu, "invstd": ist, "w": w},
+                           dict.fromkeys(("mean", "invstd", "w"), (ax,)))
     packed = da.blockwise(_dx_block, ind, *args, axis=ax, n=n, training=training,
-                          has=(m is not None, w is not None), addend=addend,
-                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn))
+                          addend=addend, dtype=x.dtype, meta=x._meta, name=B.fresh_name(fn),
+                          **params)
     gdt = np.dtype(w.dtype) if w is not None else sdt
     res = (B.output(packed, 0, x.dtype) if addend else packed,
            *(_column(sums, j, gdt, sdt) for j in (1, 0)))
@@ -397,10 +410,11 @@ def _mask_blocks(fn: str, mask, x: da.Array) -> da.Array | None:
     return B.from_blocks(mask, x)
 
 
-def _sums_block(dy, x, mean, invstd, *rest, axis: int, has_mask: bool):
+def _sums_block(dy, x, *rest, axis: int, dask_params, literals):
     """One block's per-channel (sum(g), sum(g * xhat)), shaped (1, .., C_b, .., 1, 2)."""
-    m = B.like(rest[0], x) if has_mask else None
-    dy, mean, invstd = B.like(dy, x), B.like(mean, x), B.like(invstd, x)
+    rest, p = B.take_params(rest, dask_params, literals, x)
+    m = B.like(rest[0], x) if rest else None
+    dy, mean, invstd = B.like(dy, x), p["mean"], p["invstd"]
     if B.is_cupy(x):
         import cukern
 
@@ -432,10 +446,11 @@ def _keep(xp, words, like, axis: int):
     return keep.transpose(tuple(int(i) for i in np.argsort(order)))
 
 
-def _dx_block(dy, x, mean, invstd, sum_g, sum_gx, *rest, axis: int, n: int, training: bool,
-              has, addend: bool):
-    it = iter(rest)
-    m, w = (B.like(next(it), x) if h else None for h in has)
+def _dx_block(dy, x, sum_g, sum_gx, *rest, axis: int, n: int, training: bool, addend: bool,
+              dask_params, literals):
+    rest, p = B.take_params(rest, dask_params, literals, x)
+    m = B.like(rest[0], x) if rest else None
+    mean, invstd, w = p["mean"], p["invstd"], p.get("w")
     xp = B._cupy() if B.is_cupy(x) else np
     f = B.stat_dtype(x.dtype) if xp is not np else np.dtype(np.float64)
     shape = [1] * x.ndim

@@ -19,7 +19,7 @@ from .. import runner
 __all__ = ["PerformanceWarning", "as_dask", "param", "whole", "align", "check_same",
            "is_cupy", "like", "pick", "output", "per_block", "from_blocks", "cast",
            "to_float", "meta", "stat_dtype", "float_dtype", "fresh_name", "stat_output",
-           "tree", "from_tasks"]
+           "tree", "from_tasks", "with_params", "take_params"]
 
 
 class PerformanceWarning(UserWarning):
@@ -72,9 +72,11 @@ def as_dask(fn: str, name: str, a) -> da.Array:
     return a
 
 
-def param(fn: str, name: str, a, chunks) -> da.Array | None:
-    """A small argument (weight, statistics): NumPy, CuPy or Dask, as a Dask array with
-    ``chunks`` (rechunked if it is a Dask array with others). None passes."""
+def param(fn: str, name: str, a, chunks):
+    """A small argument (weight, statistics): NumPy, CuPy or Dask. A NumPy or CuPy array that
+    ``chunks`` leaves whole comes back as it is, for :func:`with_params` to put inside every
+    block's task; otherwise a Dask array with ``chunks`` (rechunked if it is a Dask array with
+    others). None passes."""
     if a is None:
         return None
     if isinstance(a, da.Array):
@@ -82,11 +84,39 @@ def param(fn: str, name: str, a, chunks) -> da.Array | None:
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Dask), got "
                         f"{type(a).__name__}")
+    if all(len(c) == 1 for c in chunks):
+        return a
     # a fresh name: Dask would otherwise hash the array, a device-to-host copy of a CuPy one
     name = fresh_name(f"param-{name}")
     if tuple(a.shape) != tuple(sum(c) for c in chunks):  # the op reports the shape
         return da.from_array(a, chunks=a.shape, asarray=False, name=name)
     return da.from_array(a, chunks=chunks, asarray=False, name=name)
+
+
+def with_params(args: list, params: dict, inds: dict) -> dict:
+    """Small arguments of a blockwise call (``params``: name -> array or None; ``inds``: name
+    -> blockwise index): Dask arrays are appended to ``args`` as (array, index) pairs, NumPy
+    and CuPy arrays ride inside every block's task. Returns blockwise's keyword arguments
+    that carry them (for :func:`take_params`). A task of its own, on one worker, would make
+    that worker a candidate for every block's task: the scheduler then weighs moving a whole
+    block there against its queues' lengths, and on GPUs it moved most blocks."""
+    names, literals = [], {}
+    for k, p in params.items():
+        if isinstance(p, da.Array):
+            args += [p, inds[k]]
+            names.append(k)
+        elif p is not None:
+            literals[k] = p
+    return {"dask_params": tuple(names), "literals": literals}
+
+
+def take_params(rest: tuple, dask_params: tuple, literals: dict, ref) -> tuple[tuple, dict]:
+    """In a block function: (the positional blocks before the parameters, name -> parameter
+    as ``ref``'s kind) from what :func:`with_params` arranged."""
+    k = len(rest) - len(dask_params)
+    got = dict(zip(dask_params, rest[k:]))
+    got.update(literals)
+    return rest[:k], {n: like(v, ref) for n, v in got.items()}
 
 
 def fresh_name(what: str) -> str:

@@ -139,11 +139,10 @@ def _forward(op, x, normalized_shape, weight, bias, eps, residual, return_stats)
         r = B.align(op, "residual", B.whole(op, "residual", r, range(lead, nd)), x, "x")
     ind = tuple(range(nd))
     args = [x, ind] + [a for p in (r,) if p is not None for a in (p, ind)]
-    args += [a for p in (w, b) if p is not None for a in (p, ind[lead:])]
+    params = B.with_params(args, {"w": w, "b": b}, {"w": ind[lead:], "b": ind[lead:]})
     packed = da.blockwise(_norm_block, ind, *args, op=op, ns=ns, eps=eps,
-                          has=(r is not None, w is not None, b is not None),
                           stats=bool(return_stats), dtype=x.dtype, meta=x._meta,
-                          name=B.fresh_name(op))
+                          name=B.fresh_name(op), **params)
     sdt = B.stat_dtype(x.dtype)
     n_stats = (2 if op == "layer_norm" else 1) if return_stats else 0
     outs = [B.output(packed, 0, x.dtype)]
@@ -154,9 +153,10 @@ def _forward(op, x, normalized_shape, weight, bias, eps, residual, return_stats)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _norm_block(x, *rest, op: str, ns, eps: float, has, stats: bool):
-    it = iter(rest)
-    r, w, b = (B.like(next(it), x) if h else None for h in has)
+def _norm_block(x, *rest, op: str, ns, eps: float, stats: bool, dask_params, literals):
+    rest, p = B.take_params(rest, dask_params, literals, x)
+    r = B.like(rest[0], x) if rest else None
+    w, b = p.get("w"), p.get("b")
     layer = op == "layer_norm"
     if B.is_cupy(x):
         import cukern
@@ -236,12 +236,11 @@ def _backward(op, dy, x, mean, rstd, weight):
     dy = B.align(op, "dy", B.whole(op, "dy", dy, range(lead, nd)), x, "x")
     ind = tuple(range(nd))
     args = [dy, ind, x, ind]
-    for n, s in stats:
-        args += [B.param(op, n, s, x.chunks[:lead]), ind[:lead]]
-    if w is not None:
-        args += [w, ind[lead:]]
-    packed = da.blockwise(_norm_backward_block, ind, *args, op=op, k=k, has_w=w is not None,
-                          dtype=x.dtype, meta=x._meta, name=B.fresh_name(op))
+    params = B.with_params(args, {n: B.param(op, n, s, x.chunks[:lead]) for n, s in stats}
+                           | {"w": w}, {"mean": ind[:lead], "rstd": ind[:lead],
+                                        "w": ind[lead:]})
+    packed = da.blockwise(_norm_backward_block, ind, *args, op=op, k=k, dtype=x.dtype,
+                          meta=x._meta, name=B.fresh_name(op), **params)
     dx = B.output(packed, 0, x.dtype)
     if w is None:
         return (dx, None, None) if layer else (dx, None)
@@ -280,10 +279,11 @@ def _cast_pick(sums: tuple, j: int, dtype):
     return B.cast(sums[j], dtype)
 
 
-def _norm_backward_block(dy, x, *rest, op: str, k: int, has_w: bool):
+def _norm_backward_block(dy, x, *rest, op: str, k: int, dask_params, literals):
     layer = op == "layer_norm_backward"
-    rest = [B.like(a, x) for a in rest]
-    w = rest.pop() if has_w else None
+    _, p = B.take_params(rest, dask_params, literals, x)
+    w = p.get("w")
+    rest = [p["mean"], p["rstd"]] if layer else [p["rstd"]]
     sdt = B.stat_dtype(x.dtype)
     dy = B.like(dy, x)
     if B.is_cupy(x):
