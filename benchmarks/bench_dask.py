@@ -217,27 +217,34 @@ def scaling(args) -> list[dict]:
                 distributed.wait(out)
                 return out
 
-            for op in OPS:
-                shape, chunks = shapes(op, args.gb_per_gpu * n, args.chunk_mb)
+            for op, mb in ((op, mb) for mb in _chunk_sizes(args) for op in OPS):
+                shape, chunks = shapes(op, args.gb_per_gpu * n, mb)
                 x, dy = resident(client, shape, chunks, op == "layer_norm_fwd_bwd")
                 client.run(_clear_transfer_log)
                 t = _wall_median(lambda: through_dask(op, x, dy, persist), args.reps)
                 moved = sum(client.run(_transferred_bytes).values()) / (args.reps + 1)
+                t_floor = _wall_median(lambda: floor(op, x, dy, persist), args.reps)
                 nbytes = int(np.prod(shape)) * 2
                 results.append(dict(op=op, dtype="float16", gpus=n, shape=list(shape),
-                                    gb=nbytes / 1e9, ms=1e3 * t, gbps=nbytes / t / 1e9,
+                                    chunk_mb=mb, blocks=x.npartitions, gb=nbytes / 1e9,
+                                    ms=1e3 * t, gbps=nbytes / t / 1e9, floor_ms=1e3 * t_floor,
                                     moved_mb=moved / 2**20))
-                print(f"{n} GPU{'s' if n > 1 else ' '} {op:20s} {1e3 * t:10.2f} ms "
-                      f"{nbytes / t / 1e9:8.1f} GB/s (of x), {moved / 2**20:9.2f} MiB "
-                      "between workers a call", flush=True)
+                print(f"{n} GPU{'s' if n > 1 else ' '} {op:20s} {mb:6.0f} MiB blocks "
+                      f"{1e3 * t:9.2f} ms {nbytes / t / 1e9:7.1f} GB/s (of x), Dask floor "
+                      f"{1e3 * t_floor:8.2f} ms, {moved / 2**20:8.2f} MiB between workers "
+                      "a call", flush=True)
                 x = dy = None  # released on the workers
-    one = {r["op"]: r["gbps"] for r in results if r["gpus"] == counts[0]}
+    one = {(r["op"], r["chunk_mb"]): r["gbps"] for r in results if r["gpus"] == counts[0]}
     for r in results:
-        r["speedup"] = r["gbps"] / one[r["op"]] * counts[0]
+        r["speedup"] = r["gbps"] / one[(r["op"], r["chunk_mb"])] * counts[0]
         want = TARGET_SCALING * r["gpus"] * (1 - BN_SLACK if r["op"] == "batch_norm_train"
                                              else 1)
         r["target_met"] = r["speedup"] >= want or r["gpus"] == 1
     return results
+
+
+def _chunk_sizes(args) -> list[float]:
+    return [float(v) for v in str(args.chunk_mb).split(",")]
 
 
 def _clear_transfer_log(dask_worker) -> None:
@@ -272,8 +279,9 @@ def history_rows(results: list[dict], mode: str) -> list[dict]:
                        note=f"direct {r['direct_ms']:.3f} ms; overhead "
                             f"{r['overhead_pct']:+.1f} %; dask floor {r['floor_ms']:.3f} ms")
         else:
-            row.update(cukern_ms=r["ms"], gbps=r["gbps"], variant=f"{r['gpus']} GPUs",
-                       note=f"speed-up {r['speedup']:.2f}")
+            row.update(cukern_ms=r["ms"], gbps=r["gbps"],
+                       variant=f"{r['gpus']} GPUs, {r['chunk_mb']:.0f} MiB blocks",
+                       note=f"speed-up {r['speedup']:.2f}; Dask floor {r['floor_ms']:.2f} ms")
         rows.append(row)
     return rows
 
@@ -293,9 +301,10 @@ def plot(results: list[dict], mode: str, path: str, title: str) -> None:
         ax.axhline(TARGET_OVERHEAD, color="k", lw=0.6)
         ax.set_ylabel("Dask path over a direct call (%)")
     else:
-        for op in OPS:
-            rs = [r for r in results if r["op"] == op]
-            ax.plot([r["gpus"] for r in rs], [r["speedup"] for r in rs], "o-", label=op)
+        for op, mb in dict.fromkeys((r["op"], r["chunk_mb"]) for r in results):
+            rs = [r for r in results if (r["op"], r["chunk_mb"]) == (op, mb)]
+            ax.plot([r["gpus"] for r in rs], [r["speedup"] for r in rs], "o-",
+                    label=f"{op}, {mb:.0f} MiB blocks")
         gpus = sorted({r["gpus"] for r in results})
         ax.plot(gpus, gpus, "k:", lw=0.6, label="linear")
         ax.set_xlabel("GPUs")
@@ -314,7 +323,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=4.0, help="--overhead: input size (GB)")
     ap.add_argument("--gb-per-gpu", type=float, default=16.0,
                     help="--scaling: input size per GPU (GB, float16)")
-    ap.add_argument("--chunk-mb", type=float, default=256.0, help="chunk size (MiB)")
+    ap.add_argument("--chunk-mb", default="256", help="chunk size (MiB); --scaling: a "
+                    "comma-separated list")
     ap.add_argument("--gpus", default="", help="--scaling: GPU counts (default 1, 2, 4, .. all)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -323,6 +333,8 @@ def main() -> None:
     which = "overhead" if args.overhead else "scaling"
     name = cukern.DeviceSpec.from_device().name
     run = _results.Run(args.out, f"dask_{which}", name, tag=args.tag)
+    if args.overhead:
+        args.chunk_mb = _chunk_sizes(args)[0]
     results = overhead(args) if args.overhead else scaling(args)
     run.save(dict(mode=which, dask=dask.__version__, chunk_mb=args.chunk_mb,
                   gpus_visible=cp.cuda.runtime.getDeviceCount(), results=results))
@@ -331,7 +343,8 @@ def main() -> None:
     plot(results, which, run.png_path, f"cukern.dask {which} on {name}")
     missed = [r for r in results if not r["target_met"]]
     print(f"targets missed: {len(missed)}" + "".join(
-        f"\n  {r['op']}" + (f" on {r['gpus']} GPUs" if "gpus" in r else "") for r in missed))
+        f"\n  {r['op']}" + (f" on {r['gpus']} GPUs, {r['chunk_mb']:.0f} MiB blocks"
+                            if "gpus" in r else "") for r in missed))
 
 
 if __name__ == "__main__":
