@@ -54,16 +54,21 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     prefetch_l2(x.ptr + x.at.offset(row, col), count * sizeof(T));
     if (RESIDUAL) prefetch_l2(res.ptr + res.at.offset(row, col), count * sizeof(T));
   }
-  // The value load() returns for column 0 of a row, without writing h.
-  __device__ __forceinline__ C first(i64 row) const {
+  // The value load() returns for column `col` of a row, without writing h.
+  __device__ __forceinline__ C value(i64 row, int col) const {
     C v;
-    x.template load<1>(&v, row, 0);
+    x.template load<1>(&v, row, col);
     if (RESIDUAL) {
       C r;
-      res.template load<1>(&r, row, 0);
+      res.template load<1>(&r, row, col);
       v = Num<T>::to(Num<T>::from(v + r));
     }
     return v;
+  }
+  // A row's shift K (norm.cuh): the median of its first, middle and last values, three loads
+  // independent of the row's own, the same in every block of a cluster.
+  __device__ __forceinline__ C shift(i64 row, int cols) const {
+    return median3(value(row, 0), value(row, cols / 2), value(row, cols - 1));
   }
 };
 
@@ -248,6 +253,18 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
   const C inv_cols = C(1) / C(cols);
+  // Where the shift K's three values sit (norm.cuh), as (lane, register), for the planner's
+  // shapes (warp_shape: the row's last pack falls in the upper half of the NP slots): column 0
+  // (lane 0, register 0); the last column (last element of pack n - 1, slot last_slot of lane
+  // last_lane: a select among the upper half of the slots); and between them a column at
+  // compile-time register MID: with one slot, pack n / 2 (lane n / 2, element (PACK - 1) / 2),
+  // else the last column of slot NP / 2 - 1 of lane width - 1 (pack NP / 2 * width - 1, which
+  // precedes pack n - 1). The three are distinct for 3 columns or more. Any other shape gives
+  // another value (padding: 0) for K: a different rounding, never a wrong result.
+  const int n = cols / PACK, log_width = __ffs(width) - 1;
+  const int last_lane = (n - 1) & (width - 1), last_slot = (n - 1) >> log_width;
+  const int mid_lane = NP == 1 ? n / 2 : width - 1;
+  constexpr int MID = NP == 1 ? (PACK - 1) / 2 : (NP / 2) * PACK - 1;
   const i64 step = static_cast<i64>(gridDim.x) * blockDim.y * RPA;
   for (i64 base = static_cast<i64>(blockIdx.x) * blockDim.y * RPA; base < rows; base += step) {
     const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
@@ -267,8 +284,17 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
           for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = C(0);
         }
       }
-      // lane 0 of the group holds column 0
-      k[r] = SHIFT ? __shfl_sync(0xffffffffu, buf[r][0], 0, width) : C(0);
+      k[r] = C(0);
+      if (SHIFT) {  // the median of the three values above, shuffled from their lanes
+        C last = buf[r][(NP / 2) * PACK + PACK - 1];
+#pragma unroll
+        for (int p = NP / 2 + 1; p < NP; ++p) {
+          if (p == last_slot) last = buf[r][p * PACK + PACK - 1];
+        }
+        k[r] = median3(__shfl_sync(0xffffffffu, buf[r][0], 0, width),
+                       __shfl_sync(0xffffffffu, buf[r][MID], mid_lane, width),
+                       __shfl_sync(0xffffffffu, last, last_lane, width));
+      }
       s[r].v[0] = C(0);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
@@ -364,7 +390,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       s[r] = C(0);
-      k[r] = SHIFT && has(r) ? ld.first(row + r) : C(0);
+      k[r] = SHIFT && has(r) ? ld.shift(row + r, cols) : C(0);
       if (!has(r)) continue;
       if constexpr (ASYNC) {
         const T* src = x + (row + r) * sx;
@@ -498,7 +524,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
         }
       }
     } else {
-      const C k_next = SHIFT && more ? ld.first(next) : C(0);
+      const C k_next = SHIFT && more ? ld.shift(next, cols) : C(0);
       s[0] = C(0);
       for (int p = p0 + threadIdx.x; p < p1; p += U * stride) {
         typename Ld::template Raw<PACK> nv[U];
@@ -557,7 +583,7 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
   const Load<T, C, false> again{RESIDUAL ? h : x, rows_at(RESIDUAL ? sh : sx)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C k = SHIFT ? ld.first(row) : C(0);  // the shift K
+    const C k = SHIFT ? ld.shift(row, cols) : C(0);  // the shift K
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
       Welford<C> w = Welford<C>::identity();

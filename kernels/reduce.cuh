@@ -82,7 +82,13 @@ template <typename C> struct Welford {
     const C m2 = add_rn(add_rn(a.m2, b.m2), mul_rn(mul_rn(mul_rn(d, d), mul_rn(a.n, b.n)), inv));
     return Welford{n, mean, m2};
   }
-  // Folds N values in: their exact two-pass mean and M2, then one merge.
+  // Folds N values into a thread's own state: their exact two-pass mean m and M2 q, then a
+  // merge that moves the mean by its change, mean + (m - mean) * N / n, rounded relative to
+  // the change. merge's symmetric form rounds relative to the mean itself (and by the fast
+  // reciprocal's error): over a thread's few hundred folds, with a large value first (1e4
+  // among values of 1e-3), that drifts a float32 mean by up to 3e-5 in a NumPy model with a
+  // reciprocal 1 ulp off, 1.6e-6 this way. Where the change is NaN (an infinity met), merge's
+  // form gives the mean IEEE arithmetic does.
   template <int N> __device__ __forceinline__ void add(const C* v) {
     C s = C(0);
 #pragma unroll
@@ -91,7 +97,14 @@ template <typename C> struct Welford {
     C q = C(0);
 #pragma unroll
     for (int i = 0; i < N; ++i) q += (v[i] - m) * (v[i] - m);
-    *this = merge(*this, Welford{C(N), m, q});
+    const C n1 = n + C(N);
+    const C f = Math<C>::div_fast(C(N), n1);  // N / n1
+    const C d = m - mean;
+    C next = mean + d * f;
+    if (next != next) next = (n * mean + s) * Math<C>::div_fast(C(1), n1);
+    m2 += q + d * d * (n * f);
+    mean = next;
+    n = n1;
   }
   __device__ __forceinline__ Welford shfl_xor(int mask) const {
     return Welford{__shfl_xor_sync(0xffffffffu, n, mask), __shfl_xor_sync(0xffffffffu, mean, mask),

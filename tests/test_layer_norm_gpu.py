@@ -514,6 +514,125 @@ def test_large_offsets(op, rng, monkeypatch):
             check_forward(op, x, cols, w, b, None, "float32")
 
 
+# ---------------------------------------------------------------------------------------------
+# One outlier among small values (issue 26): the layer norm kernels shift each row by K, a value
+# of the row (norm.cuh). K was the row's first value: an outlier there (1e4 among values of
+# 1e-3) rounded the rest of the row to the outlier's spacing, 1e-3 in float32, and put y 1.45e-3
+# off at 1.2M columns. K is now the median of the first, a middle and the last value.
+
+OUTLIER = 1e4
+
+
+def _outlier_columns(dtype):
+    """(cols, expected variant or None) reaching every layer norm forward kernel on this GPU:
+    the warp kernel with one register slot a lane, two a lane (24: two packs a lane; 256), 4-16
+    slots (1024: the last value's slot is a select) and 32 packs of one element (999); the
+    block kernel; a cluster (sm_90); the uncached kernel past what 16 blocks' shared memory
+    holds (one block's without clusters); the issue's 1.2M columns."""
+    edge = (max_dynamic_smem(spec()) - policy("layer_norm").smem_align) // \
+        smem_per_col("layer_norm", dtype, False)
+    wide = 16 // ITEM[dtype]
+    cases = [(7, Variant.WARP), (24, Variant.WARP), (256, Variant.WARP), (999, Variant.WARP),
+             (1024, Variant.WARP), (5000, Variant.BLOCK_SMEM)]
+    if spec().has_clusters:
+        cases += [((edge // wide + 1) * wide, Variant.CLUSTER),
+                  (CLUSTER_SIZES[-1] * edge + 64 * wide, Variant.BLOCK_UNCACHED)]
+    else:
+        cases += [(edge + 64 * wide, Variant.BLOCK_UNCACHED)]
+    return cases + [(1_200_000, None)]
+
+
+def _outlier_rows(rows, cols, dtype, rng):
+    """Rows of noise of 1e-3 with one value of 1e4: first, in the middle, last, at a random
+    column, in turn. Returns x and each row's outlier column."""
+    where = np.array([(0, cols // 2, cols - 1, int(rng.integers(cols)))[i % 4]
+                      for i in range(rows)])
+    x = rng.standard_normal((rows, cols)) * 1e-3
+    x[np.arange(rows), where] = OUTLIER
+    return x.astype(np_dtype(dtype)), where
+
+
+def check_outlier_rows(x, where, dtype, w=None, r=None):
+    """layer_norm of rows with one outlier each (at ``where``) against float64 NumPy, row by
+    row. y: relative L2 error (||y - ref|| / ||ref||, as rel_err) over the whole row, and over
+    the row without its outlier: the bulk, whose y (~1e-3 after normalising) the whole row's
+    measure hides under the outlier's (~1e3), and which a shift by the outlier ruins. Within
+    1e-5 in float32, TOL in the other types (grown with the row as check_forward's). mean and
+    rstd: |got - ref| / |ref| within STAT_TOL (1e-5 in float32), the mean against itself (here
+    far smaller than the row's deviation, which check_forward's measure would add)."""
+    rows, cols = x.shape
+    ref = reference.layer_norm(x, cols, w, None, 1e-5, residual=r)
+    poison((x.shape, ITEM[dtype]), (x.shape, ITEM[dtype]), ((rows,), 8), ((rows,), 8))
+    got = cukern.layer_norm(cp.asarray(x), cols, None if w is None else cp.asarray(w), None,
+                            1e-5, residual=None if r is None else cp.asarray(r))
+    y, y_ref = host(got[0]), ref[0]
+    assert not np.isnan(y).any(), "unwritten or NaN output"
+    err = y - y_ref
+    bulk = np.ones(x.shape, bool)
+    bulk[np.arange(rows), where] = False
+    whole = np.linalg.norm(err, axis=1) / np.linalg.norm(y_ref, axis=1)
+    part = np.linalg.norm(np.where(bulk, err, 0), axis=1) / \
+        np.linalg.norm(np.where(bulk, y_ref, 0), axis=1)
+    tol = 1e-5 if dtype == "float32" else TOL[dtype] * max(1.0, (cols / 2**18) ** 0.5)
+    at = f"{dtype} {x.shape} w={w is not None} r={r is not None}"
+    assert whole.max() <= tol, f"{at}: y rel err {whole.max():.3g} (row {whole.argmax()})"
+    assert part.max() <= tol, f"{at}: y rel err without the outlier {part.max():.3g} " \
+                              f"(row {part.argmax()}, outlier at {where[part.argmax()]})"
+    for name, g, want in (("mean", got[1], ref[1]), ("rstd", got[2], ref[2])):
+        dev = np.abs(host(g) - want) / np.abs(want)
+        assert dev.max() <= STAT_TOL[dtype], f"{at}: {name} off by {dev.max():.3g}"
+    if r is not None:
+        np.testing.assert_array_equal(host(got[3]), ref[3], err_msg=f"{at}: h")
+    return ln_mod.last_plan("layer_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outlier_rows(dtype, rng):
+    """A row whose first (middle, last, some) value is 1e4 among values of 1e-3, in every
+    forward kernel, without and with a residual and a weight: y, mean and rstd to 1e-5 in
+    float32, TOL (y) and STAT_TOL in the other types. Fails with the first value as the shift
+    wherever the row is long (float32 from about 1000 columns: the bulk's error grows like
+    the row's length times float32's epsilon); short rows check the kernels' choice of the
+    three values' lanes and registers."""
+    reached = set()
+    for cols, variant in _outlier_columns(dtype):
+        x, where = _outlier_rows(4, cols, dtype, rng)
+        plan = check_outlier_rows(x, where, dtype)
+        if variant is not None:
+            assert plan.variant is variant, (cols, plan)
+        reached.add(plan.variant)
+        # the shift of x + residual, the kernels with a residual (overlapped rows) and a weight
+        r = (rng.standard_normal(x.shape) * 1e-3).astype(np_dtype(dtype))
+        w = make(cols, dtype, rng, 0.5, 1.0)
+        check_outlier_rows(x, where, dtype, w, r)
+    wanted = {Variant.WARP, Variant.BLOCK_SMEM, Variant.BLOCK_UNCACHED}
+    assert reached >= wanted | ({Variant.CLUSTER} if spec().has_clusters else set()), reached
+
+
+def test_outlier_rows_two_rows_a_group(rng):
+    """The warp kernel with two rows a group of lanes (rows_per_access 2: many short rows)."""
+    x, where = _outlier_rows(100000, 64, "float32", rng)
+    plan = check_outlier_rows(x, where, "float32")
+    assert plan.variant is Variant.WARP and plan.rows_per_access == 2, plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outlier_shift_keeps_offsets_and_constant_rows(dtype, rng):
+    """What the shift is for, at the outlier tests' columns: a row of 1e4 + noise keeps its
+    small differences (y and the statistics as check_forward wants), a constant row gives
+    var = 0 exactly: y = beta, mean = the value, rstd = 1 / sqrt(eps)."""
+    for cols, _ in _outlier_columns(dtype):
+        b = make(cols, dtype, rng)
+        if ITEM[dtype] >= 4:  # 16-bit: 1e4 + 0.5 noise rounds to a constant row
+            x = (1e4 + rng.standard_normal((2, cols)) * 0.5).astype(np_dtype(dtype))
+            check_forward("layer_norm", x, cols, None, b, None, dtype)
+        c = np.broadcast_to(rng.standard_normal((2, 1)) * 10, (2, cols)).astype(np_dtype(dtype))
+        y, mean, rstd = cukern.layer_norm(cp.asarray(c), cols, None, cp.asarray(b))
+        np.testing.assert_array_equal(host(y), np.broadcast_to(b.astype(np.float64), (2, cols)))
+        np.testing.assert_array_equal(host(mean), c[:, 0].astype(np.float64))
+        np.testing.assert_allclose(host(rstd), 1 / np.sqrt(1e-5), rtol=STAT_TOL[dtype])
+
+
 def test_views_and_layouts(rng):
     base = make((6, 1100), "float32", rng)
     db = cp.asarray(base)
