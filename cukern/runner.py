@@ -70,17 +70,22 @@ class BoundedDict(dict):
 
 
 class Adapted:
-    """A CuPy view of a user's array and the means to return results as the user's kind."""
+    """A CuPy view of a user's array and the means to return results as the user's kind.
+    ``same_stream``: a PyTorch tensor whose GPU's current PyTorch stream is CuPy's, exchanged
+    without the protocol's stream handshake (see :func:`torch_view`)."""
 
-    __slots__ = ("array", "kind")
+    __slots__ = ("array", "kind", "same_stream")
 
-    def __init__(self, array, kind: str):
+    def __init__(self, array, kind: str, same_stream: bool = False):
         self.array = array
         self.kind = kind
+        self.same_stream = same_stream
 
     def wrap(self, result):
         if self.kind == "cupy":
             return result
+        if self.same_stream:
+            return to_torch(result)
         # the exchange orders the result's GPU's streams: make that GPU current for it
         if self.kind == "torch":
             import torch
@@ -93,6 +98,47 @@ class Adapted:
             with on_device(result.data.device_id):
                 return jnp.from_dlpack(result)
         return result
+
+
+# PyTorch's current raw stream of a GPU (a private accessor where present: the public
+# torch.cuda.current_stream costs several microseconds a call)
+_torch_stream = None
+
+
+def _torch_current_stream(device_id: int) -> int:
+    global _torch_stream
+    if _torch_stream is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _torch_stream = raw if raw is not None else (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _torch_stream(device_id)
+
+
+def torch_view(x):
+    """A CuPy view of the CUDA PyTorch tensor ``x`` when PyTorch's current stream on its GPU
+    is CuPy's current stream there (the common case: both on the legacy default stream), else
+    None. The exchange then needs none of DLPack's stream handshake (an event recorded on one
+    stream and waited on by the other: tens of microseconds of host time a call), so it uses
+    the unversioned capsule, which carries none. Tensors that require grad give None (the
+    caller's checks refuse them)."""
+    if not x.is_cuda or x.requires_grad:
+        return None
+    dev = x.get_device()
+    if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+        return None
+    from torch.utils import dlpack
+
+    return cp.from_dlpack(dlpack.to_dlpack(x))
+
+
+def to_torch(result):
+    """``result`` (CuPy) as a PyTorch tensor sharing its memory, without a stream handshake:
+    only for results of an input taken by :func:`torch_view` (same stream on both sides)."""
+    from torch.utils import dlpack
+
+    return dlpack.from_dlpack(result.toDlpack())
 
 
 def _require_cupy(fn: str) -> None:
@@ -127,6 +173,10 @@ def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
             f"{fn}: {arg} is a PyTorch tensor that requires grad; cukern.{fn} records no "
             f"autograd history: use cukern.torch (autograd through cukern's backward kernels) "
             f"or pass {arg}.detach()")
+    if kind == "torch" and x.is_cuda:
+        view = torch_view(x)
+        if view is not None:
+            return Adapted(view, kind, True)
     dev_type, dev_id = x.__dlpack_device__()
     if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
         raise TypeError(
@@ -144,7 +194,9 @@ def handed_back(out, o):
     if type(out) is not cp.ndarray and type(out).__module__.split(".")[0] == "torch":
         import torch
 
-        torch.from_dlpack(o)  # the exchange records the event and the wait; the view is dropped
+        dev = o.data.device_id
+        if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+            torch.from_dlpack(o)  # the exchange records the event and the wait
     return out
 
 

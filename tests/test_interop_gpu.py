@@ -99,6 +99,42 @@ def test_torch_out_on_a_side_stream_permute_and_batch_norm():
 
 
 # ---------------------------------------------------------------------------------------------
+# PyTorch in and out without the stream handshake, only where the streams are one.
+
+def test_torch_on_cupys_stream_skips_the_handshake(rng):
+    """On the default stream of both, a tensor is exchanged without DLPack's stream handshake
+    (``same_stream``) and the results are right; on a side stream it takes the handshake."""
+    from cukern import runner
+
+    torch = _torch()
+    x = torch.from_numpy(rng.standard_normal((64, 300)).astype(np.float32)).cuda()
+    torch.cuda.synchronize()
+    assert runner.adapt("softmax", "x", x).same_stream
+    want = torch.softmax(x.double(), dim=-1).float()
+    for _ in range(2):  # the first call plans, the second takes the cached launch
+        torch.testing.assert_close(cukern.softmax(x), want, rtol=1e-5, atol=1e-7)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert not runner.adapt("softmax", "x", x).same_stream
+
+
+def test_torch_input_on_a_side_stream_is_ordered():
+    """A tensor made on a side stream, the call on that stream, the result read there at once:
+    complete, though CuPy's stream (where the kernel runs) was kept busy."""
+    torch = _torch()
+    x = torch.randn(256, 1000, device="cuda")
+    torch.cuda.synchronize()
+
+    def call():
+        y = x * 2  # made on the side stream
+        return cukern.softmax(y)
+
+    res, snap = _delayed(torch, call)
+    want = torch.softmax((2 * x).double(), dim=-1).float()
+    torch.testing.assert_close(snap, want, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
 # Tensors that require grad.
 
 def test_tensors_requiring_grad_are_refused():
