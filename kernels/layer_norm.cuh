@@ -65,10 +65,11 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     }
     return v;
   }
-  // A row's shift K (norm.cuh): the median of its first, middle and last values, three loads
-  // independent of the row's own, the same in every block of a cluster.
+  // A row's shift K (norm.cuh): the median of its first three values (columns clamped to the
+  // row), loads of one sector that the row's own first loads read anyway; the same in every
+  // block of a cluster.
   __device__ __forceinline__ C shift(i64 row, int cols) const {
-    return median3(value(row, 0), value(row, cols / 2), value(row, cols - 1));
+    return median3(value(row, 0), value(row, min(1, cols - 1)), value(row, min(2, cols - 1)));
   }
 };
 
@@ -242,6 +243,30 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   static_assert(ALGO == kLayerNorm || (B) == kAbsent, "RMS norm has no bias");                \
   const AffineStore<C, T, (W), (B)> st{{y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}}
 
+// The warp kernel's shift K of a row (norm.cuh): the median of its first three values (columns
+// clamped to the row), from lane 0's first pack when it holds them (one shuffle), else
+// shuffled from the lanes that do (`buf`: this lane's registers of the row, pack p * width +
+// lane in slot p).
+template <int PACK, int CPT, typename C>
+__device__ __forceinline__ C warp_shift(const C* buf, int cols, int width, int log_width) {
+  if constexpr (PACK >= 3) {
+    return __shfl_sync(0xffffffffu, median3(buf[0], buf[1], buf[2]), 0, width);
+  } else {
+    constexpr int REGS = CPT < 3 * PACK ? CPT : 3 * PACK;  // registers that can hold them
+    C v[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = min(i, cols - 1), pc = c / PACK;
+      const int reg = (pc >> log_width) * PACK + c % PACK;
+      C mine = buf[0];
+#pragma unroll
+      for (int j = 1; j < REGS; ++j) mine = j == reg ? buf[j] : mine;
+      v[i] = __shfl_sync(0xffffffffu, mine, pc & (width - 1), width);
+    }
+    return median3(v[0], v[1], v[2]);
+  }
+}
+
 // Warp kernel. Block (width, 128 / width); thread group y owns RPA rows at a time; lane l holds
 // packs p at columns (p * width + l) * PACK, so a group's accesses are coalesced. Slots past the
 // end of the row (padding) hold 0 and are left out of the variance. The row loop is uniform
@@ -253,18 +278,7 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
   const C inv_cols = C(1) / C(cols);
-  // Where the shift K's three values sit (norm.cuh), as (lane, register), for the planner's
-  // shapes (warp_shape: the row's last pack falls in the upper half of the NP slots): column 0
-  // (lane 0, register 0); the last column (last element of pack n - 1, slot last_slot of lane
-  // last_lane: a select among the upper half of the slots); and between them a column at
-  // compile-time register MID: with one slot, pack n / 2 (lane n / 2, element (PACK - 1) / 2),
-  // else the last column of slot NP / 2 - 1 of lane width - 1 (pack NP / 2 * width - 1, which
-  // precedes pack n - 1). The three are distinct for 3 columns or more. Any other shape gives
-  // another value (padding: 0) for K: a different rounding, never a wrong result.
-  const int n = cols / PACK, log_width = __ffs(width) - 1;
-  const int last_lane = (n - 1) & (width - 1), last_slot = (n - 1) >> log_width;
-  const int mid_lane = NP == 1 ? n / 2 : width - 1;
-  constexpr int MID = NP == 1 ? (PACK - 1) / 2 : (NP / 2) * PACK - 1;
+  const int log_width = __ffs(width) - 1;
   const i64 step = static_cast<i64>(gridDim.x) * blockDim.y * RPA;
   for (i64 base = static_cast<i64>(blockIdx.x) * blockDim.y * RPA; base < rows; base += step) {
     const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
@@ -284,17 +298,7 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
           for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = C(0);
         }
       }
-      k[r] = C(0);
-      if (SHIFT) {  // the median of the three values above, shuffled from their lanes
-        C last = buf[r][(NP / 2) * PACK + PACK - 1];
-#pragma unroll
-        for (int p = NP / 2 + 1; p < NP; ++p) {
-          if (p == last_slot) last = buf[r][p * PACK + PACK - 1];
-        }
-        k[r] = median3(__shfl_sync(0xffffffffu, buf[r][0], 0, width),
-                       __shfl_sync(0xffffffffu, buf[r][MID], mid_lane, width),
-                       __shfl_sync(0xffffffffu, last, last_lane, width));
-      }
+      k[r] = SHIFT ? warp_shift<PACK, CPT>(buf[r], cols, width, log_width) : C(0);
       s[r].v[0] = C(0);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
