@@ -99,8 +99,8 @@ def test_softmax_family(scheduler, rng, op, dtype):
     same_bits(y, by_rows(f, [x], 256))
     close(y, f(x), dtype)
     ys = f(x)
-    back = getattr(cd, op + "_backward")(on_gpu(ys, (300, -1)), on_gpu(dy, (300, -1)))
-    same_bits(back.compute(), by_rows(getattr(cukern, op + "_backward"), [ys, dy], 300))
+    back = getattr(cd, op + "_backward")(on_gpu(dy, (300, -1)), on_gpu(ys, (300, -1)))
+    same_bits(back.compute(), by_rows(getattr(cukern, op + "_backward"), [dy, ys], 300))
 
 
 def test_softmax_rechunks_the_axis(scheduler, rng):
@@ -124,10 +124,10 @@ def test_norms(scheduler, rng, op, dtype):
     f = getattr(cukern, op)
 
     def single(xs, rs):
-        return f(xs, 1024, *params, residual=rs)
+        return f(xs, 1024, *params, residual=rs, return_stats=True)
 
     got = dask.compute(*getattr(cd, op)(on_gpu(x, (512, -1)), 1024, *params,
-                                        residual=on_gpu(r, (512, -1))))
+                                        residual=on_gpu(r, (512, -1)), return_stats=True))
     want = by_rows(single, [x, r], 512)
     assert len(got) == len(want) == (4 if layer else 3)
     for g, e in zip(got, want):
@@ -265,8 +265,8 @@ class TestSeveralGPUs:
         w = cp.asarray(rng.standard_normal(1024).astype(np.float16))
         xa, dya = on_gpu(x, (256, -1)), on_gpu(dy, (256, -1))
         same_bits(cd.softmax(xa).compute(), by_rows(cukern.softmax, [x], 256))
-        y, mean, rstd = dask.compute(*cd.layer_norm(xa, 1024, w))
-        want = by_rows(lambda t: cukern.layer_norm(t, 1024, w), [x], 256)
+        y, mean, rstd = dask.compute(*cd.layer_norm(xa, 1024, w, return_stats=True))
+        want = by_rows(lambda t: cukern.layer_norm(t, 1024, w, return_stats=True), [x], 256)
         for g, e in zip((y, mean, rstd), want):
             same_bits(g, e)
         dx, dw, db = dask.compute(*cd.layer_norm_backward(dya, xa, mean, rstd, w))

@@ -44,14 +44,15 @@ def rel_err(out, ref) -> float:
 
 
 def inputs(op, shape, dtype, rng, axis=-1, scale=3.0):
-    """Host float64 copies (exactly representable in dtype) and device arrays of dtype."""
+    """Host float64 copies (exactly representable in dtype) and device arrays of dtype, in the
+    op's order (a backward's dy, then y)."""
     dt = np_dtype(dtype)
     x = (rng.standard_normal(shape) * scale).astype(dt)
     if op in BWD:
         fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
         x = fwd(x.astype(np.float64), axis=axis).astype(dt)
         dy = rng.standard_normal(shape).astype(dt)
-        return (x.astype(np.float64), dy.astype(np.float64)), (cp.asarray(x), cp.asarray(dy))
+        return (dy.astype(np.float64), x.astype(np.float64)), (cp.asarray(dy), cp.asarray(x))
     return (x.astype(np.float64),), (cp.asarray(x),)
 
 
@@ -194,8 +195,8 @@ def test_views_and_axes(op, dtype, rng):
             fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
             y_base = fwd(base.astype(np.float64), axis=-1).astype(dt)
             dy_base = rng.standard_normal(base.shape).astype(dt)
-            host = (view(y_base).astype(np.float64), view(dy_base).astype(np.float64))
-            dev = (view(cp.asarray(y_base)), view(cp.asarray(dy_base)))
+            host = (view(dy_base).astype(np.float64), view(y_base).astype(np.float64))
+            dev = (view(cp.asarray(dy_base)), view(cp.asarray(y_base)))
         else:
             host, dev = (host_x,), (dev_x,)
         check(op, host, dev, dtype, axis=axis)
@@ -236,7 +237,7 @@ def test_torch_round_trip(dtype, rng):
     ref = torch.softmax(t.double(), -1)
     assert float((y.double() - ref).norm() / ref.norm()) < TOL[dtype]
     dy = torch.randn_like(t)
-    dx = cukern.softmax_backward(y, dy)
+    dx = cukern.softmax_backward(dy, y)
     yd = y.double()
     ref_dx = (dy.double() - (dy.double() * yd).sum(-1, keepdim=True)) * yd
     assert float((dx.double() - ref_dx).norm() / ref_dx.norm()) < TOL[dtype]
@@ -303,9 +304,9 @@ def test_bad_input_is_named():
     with pytest.raises(TypeError, match="out has dtype float16"):
         cukern.softmax(x, out=cp.empty((4, 8), cp.float16))
     with pytest.raises(ValueError, match="dy has shape"):
-        cukern.softmax_backward(x, cp.ones((4, 9), cp.float32))
+        cukern.softmax_backward(cp.ones((4, 9), cp.float32), x)
     with pytest.raises(TypeError, match="dy has dtype"):
-        cukern.log_softmax_backward(x, cp.ones((4, 8), cp.float64))
+        cukern.log_softmax_backward(cp.ones((4, 8), cp.float64), x)
     with pytest.raises(ValueError, match="overlap"):
         cukern.softmax(x, out=cp.broadcast_to(cp.empty((1, 8), cp.float32), (4, 8)))
 

@@ -360,6 +360,8 @@ def _opcheck_cases():
         ("softmax_backward", (x.detach(), y, -1)), ("log_softmax_backward", (x.detach(), y, 1)),
         ("layer_norm", (x, [7], w, b, 1e-5)), ("layer_norm", (x, [3, 7], None, None, 1e-5)),
         ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, w.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, w.detach(), b.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, None, b.detach())),
         ("rms_norm", (x, [7], w, 1e-6)),
         ("rms_norm_backward", (x.detach(), x.detach(), rms_rstd, None)),
         ("batch_norm", (xc, rm, rv, w4, b4, z, True, 0.1, 1e-5, True)),
