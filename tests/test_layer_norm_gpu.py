@@ -579,9 +579,10 @@ def test_empty_arrays():
 # ---------------------------------------------------------------------------------------------
 # Backward.
 
-def check_backward(op, x, dy, w, dtype):
+def check_backward(op, x, dy, w, dtype, b=None):
     """Statistics from the float64 forward, rounded to the statistics dtype, go to both the
-    kernel and the reference; dx, dweight, dbias from NaN-poisoned fresh outputs."""
+    kernel and the reference; dx, dweight, dbias from NaN-poisoned fresh outputs. ``b``: the
+    layer norm's bias (dbias is expected with a weight or a bias)."""
     layer = op == "layer_norm_backward"
     cols = x.shape[-1]
     sdt = stat_dtype(dtype)
@@ -592,15 +593,18 @@ def check_backward(op, x, dy, w, dtype):
     else:
         _, rstd = reference.rms_norm(x64, cols, return_stats=True)
         stats = (rstd.astype(sdt),)
+    bias = () if b is None else (b,)
     ref = getattr(reference, op)(dy.astype(np.float64), x64,
                                  *[s.astype(np.float64) for s in stats],
-                                 None if w is None else w.astype(np.float64))
+                                 None if w is None else w.astype(np.float64),
+                                 *[p.astype(np.float64) for p in bias])
     item = ITEM[dtype]
     poison((x.shape, item), ((cols,), item), ((cols,), item))
     got = getattr(cukern, op)(cp.asarray(dy), cp.asarray(x), *[cp.asarray(s) for s in stats],
-                              None if w is None else cp.asarray(w))
+                              None if w is None else cp.asarray(w),
+                              *[cp.asarray(p) for p in bias])
     assert len(got) == len(ref)
-    where = f"{op} {dtype} {x.shape} weight={w is not None}"
+    where = f"{op} {dtype} {x.shape} weight={w is not None} bias={b is not None}"
     # dx's natural scale is rstd * |dy * w|: with 1 or 2 columns dx itself is ~0 by cancellation
     g = dy.astype(np.float64) * (1 if w is None else w.astype(np.float64))
     scale = max(np.linalg.norm(ref[0]), np.linalg.norm(stats[-1].astype(np.float64)[:, None] * g))
@@ -608,8 +612,8 @@ def check_backward(op, x, dy, w, dtype):
     err = rel_err(got[0], ref[0], scale)
     assert err <= TOL[dtype], f"{where}: dx rel err {err:.3g}"
     for name, gv, rv in zip(("dweight", "dbias"), got[1:], ref[1:]):
-        if w is None:
-            assert gv is None, name
+        if w is None and (name == "dweight" or b is None):
+            assert gv is None and rv is None, name
             continue
         assert gv.dtype == np_dtype(dtype) and gv.shape == (cols,)
         err = rel_err(gv, rv)

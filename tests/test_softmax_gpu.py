@@ -214,6 +214,34 @@ def test_out_may_be_a_view(rng):
     assert rel_err(out_t, reference.log_softmax(x.astype(np.float64))) < TOL["float32"]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("log", [False, True])
+def test_backwards_take_dy_first(dtype, log, rng):
+    """softmax_backward(dy, y) and log_softmax_backward(dy, y): the gradient first, as every
+    cukern backward and PyTorch's _softmax_backward_data. The formulas are written out here
+    (the reference's order changed with the ops'); swapped arguments give other numbers."""
+    dt = np_dtype(dtype)
+    fn = cukern.log_softmax_backward if log else cukern.softmax_backward
+    for shape in [(9, 33), (5, 3000), (3, 20000)]:
+        y = (reference.log_softmax if log else reference.softmax)(
+            rng.standard_normal(shape) * 2).astype(dt)
+        dy = rng.standard_normal(shape).astype(dt)
+        y64, dy64 = y.astype(np.float64), dy.astype(np.float64)
+        if log:
+            want = dy64 - np.exp(y64) * dy64.sum(-1, keepdims=True)
+        else:
+            want = (dy64 - (dy64 * y64).sum(-1, keepdims=True)) * y64
+        dy_d, y_d = cp.asarray(dy), cp.asarray(y)
+        out = cp.full(shape, np.nan, dt)
+        assert fn(dy_d, y_d, -1, out=out) is out
+        assert rel_err(out, want) <= TOL[dtype], f"{dtype} {shape}"
+        fresh = fn(dy_d, y_d)
+        assert rel_err(fresh, want) <= TOL[dtype]
+        assert bool(cp.array_equal(fn(dy=dy_d, y=y_d), fresh, equal_nan=True))
+        swapped = cp.asnumpy(fn(y_d, dy_d)).astype(np.float64)  # may overflow: no rel_err
+        assert not np.allclose(swapped, want, rtol=0.1, atol=0.1 * np.abs(want).max())
+
+
 def test_empty_and_scalar():
     for shape in [(0, 5), (5, 0), (0,), (2, 0, 3)]:
         x = cp.empty(shape, cp.float32)
