@@ -227,3 +227,16 @@ def test_out_shape_dtype_and_kind(posing):
     jx = runner.Adapted(x.array, "jax")
     with pytest.raises(TypeError, match="out= is not supported for JAX arrays"):
         runner.output("layer_norm", jx, _dev(np.zeros((4, 8), np.float32)))
+
+
+def test_explain_plans_a_bias_only_backward_as_weighted():
+    """The bias-only backward runs the weighted kernels (a weight of ones): explain says so;
+    rms_norm_backward still takes no bias."""
+    h100 = cukern.DeviceSpec.h100()
+    with_bias = cukern.explain("layer_norm_backward", (64, 8192), "float32", device=h100,
+                               bias=True)
+    weighted = cukern.explain("layer_norm_backward", (64, 8192), "float32", device=h100,
+                              weight=True)
+    assert with_bias == weighted and with_bias.switches.weight
+    with pytest.raises(ValueError, match="rms_norm_backward takes no bias"):
+        cukern.explain("rms_norm_backward", (4, 64), "float32", device=h100, bias=True)

@@ -74,7 +74,7 @@ def softmax_backward(dy, y, axis: int = -1, *, out=None):
     and device. Returns ``dx`` like :func:`softmax` returns ``y``; ``out=`` as there (it may
     be ``dy`` or ``y`` itself).
     """
-    return _run("softmax_backward", ("y", "dy"), (y, dy), axis, out)
+    return _run("softmax_backward", ("y", "dy"), (y, dy), axis, out)  # the kernels' order
 
 
 def log_softmax_backward(dy, y, axis: int = -1, *, out=None):
@@ -83,7 +83,7 @@ def log_softmax_backward(dy, y, axis: int = -1, *, out=None):
     ``dy`` is the gradient with respect to the log-softmax output ``y``; as
     :func:`softmax_backward`.
     """
-    return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)
+    return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)  # the kernels' order
 
 
 def _fast(op: str, x, axis: int):
