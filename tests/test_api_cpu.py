@@ -14,6 +14,8 @@ import cukern
 from cukern import reference, registry, runner
 from cukern.ops import _norm_args
 
+from .test_layer_norm_cpu import _fd
+
 BACKWARDS = [name for name, op in registry.OPS.items() if op.is_backward]
 
 
@@ -88,15 +90,6 @@ def test_public_signatures():
 
 # ---------------------------------------------------------------------------------------------
 # A bias-only layer norm gets dbias.
-
-def _fd(f, a, h=1e-6):
-    g = np.zeros_like(a)
-    for idx in np.ndindex(a.shape):
-        e = np.zeros_like(a)
-        e[idx] = h
-        g[idx] = (f(a + e) - f(a - e)) / (2 * h)
-    return g
-
 
 def test_reference_bias_only_dbias(rng):
     """dbias is dy summed over the leading dimensions (finite differences of the forward in

@@ -190,8 +190,10 @@ def test_out_in_place_and_with_the_other_results(op, rng, monkeypatch):
             got = getattr(cukern, op)(xd, shape[-1], *dargs, out=xd, return_stats=True)
             assert got[0] is xd
             assert rel_err(xd, ref[0]) <= _tol("float16", shape[-1]), (shape, uncached)
-            for g, want in zip(got[1:], ref[1:]):
-                assert rel_err(g, want) <= STAT_TOL["float16"]
+            assert rel_err(got[-1], ref[-1]) <= STAT_TOL["float16"]  # rstd
+            if op == "layer_norm":  # the mean against its size or the row's deviation
+                size = np.abs(ref[1]) + 1 / ref[2]
+                assert np.all(np.abs(host(got[1]) - ref[1]) <= STAT_TOL["float16"] * size)
     x = make((6, 500), "float32", rng)
     r = make((6, 500), "float32", rng)
     hargs, dargs = _args(op, x, "float32", rng)
