@@ -146,6 +146,27 @@ def test_norms(scheduler, rng, op, dtype):
         close(e, rf, dtype, scale=2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_bias_only_layer_norm_backward(scheduler, rng, dtype):
+    """A bias alone: dbias from the blocks' float32 partial sums, tree-reduced, as the
+    single-GPU call's; dweight None; dx block by block as the single call on its rows."""
+    dt = np_dtype(dtype)
+    x = cp.asarray((rng.standard_normal((2000, 1024)) * 2 + 1).astype(dt))
+    dy = cp.asarray(rng.standard_normal((2000, 1024)).astype(dt))
+    b = cp.asarray(rng.standard_normal(1024).astype(dt))
+    _, mean, rstd = cukern.layer_norm(x, 1024, None, b, return_stats=True)
+    dx, dw, db = cd.layer_norm_backward(on_gpu(dy, (512, -1)), on_gpu(x, (512, -1)),
+                                        on_gpu(mean, 512), on_gpu(rstd, 512), None, b)
+    assert dw is None
+    dx, db = dask.compute(dx, db)
+    whole = cukern.layer_norm_backward(dy, x, mean, rstd, None, b)
+    same_bits(dx, by_rows(lambda d, t, m, r: cukern.layer_norm_backward(d, t, m, r, None, b)[0],
+                          [dy, x, mean, rstd], 512))
+    assert db.dtype == dt
+    close(db, host(dy).astype(np.float64).sum(0), dtype, scale=2)
+    close(whole[2], host(dy).astype(np.float64).sum(0), dtype, scale=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch norm: merged statistics equal the single-GPU call on the whole batch.
 
