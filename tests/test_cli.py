@@ -748,6 +748,27 @@ def test_layer_norm_backward(tmp_path, norm_files, saved):
 
 
 @needs_norms
+def test_layer_norm_backward_bias_alone(tmp_path, norm_files):
+    """--bias without --weight: --param-grads holds dbias alone, dy summed over all rows."""
+    f = norm_files
+    run("layer-norm", f["x"], "--grad", f["dy"], "--bias", f["b"], "-o", tmp_path / "dx.npy",
+        "--param-grads", tmp_path / "g.npz", "--device", "cpu", "--chunk-rows", "4")
+    xs, dys, b = (np.load(f[k]) for k in ("x", "dy", "b"))
+    _, mean, rstd = reference.layer_norm(xs, (24,), None, b, 1e-5, return_stats=True)
+    dx, dw, db = reference.layer_norm_backward(dys, xs, mean.astype(np.float32),
+                                               rstd.astype(np.float32), None, b)
+    assert dw is None
+    assert bits(np.load(tmp_path / "dx.npy")) == bits(dx.astype(np.float32))
+    g = np.load(tmp_path / "g.npz")
+    assert sorted(g) == ["dbias"] and g["dbias"].dtype == np.float32
+    np.testing.assert_allclose(g["dbias"], dys.astype(np.float64).sum((0, 1)), rtol=1e-6,
+                               atol=1e-6)
+    fails("layer-norm", f["x"], "--grad", f["dy"], "-o", tmp_path / "dx2.npy", "--param-grads",
+          tmp_path / "g2.npz", "--device", "cpu", code=2,
+          says="--param-grads needs --weight or --bias")
+
+
+@needs_norms
 def test_rms_norm_forward_and_backward(tmp_path, norm_files):
     f = norm_files
     stats = tmp_path / "s.npz"

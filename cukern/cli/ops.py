@@ -216,7 +216,8 @@ def _norm_options(bias: bool, eps: float):
                          help="Backward pass: DY is the gradient with respect to the output, "
                               "IN the forward input x; writes dx."),
             click.option("--param-grads", metavar="GRADS.npz",
-                         help="Backward pass: also write the weight's (and bias's) gradient, "
+                         help="Backward pass: also write the gradients of the parameters "
+                              "given (dweight with --weight; dbias with --weight or --bias), "
                               "summed over all rows."),
         ]
         for d in reversed(opts):
@@ -238,7 +239,8 @@ def layer_norm_cmd(**kw):
     --stats STATS.npz keeps mean and rstd per row (arrays "mean", "rstd").
     With --grad DY.npy, the backward pass from dy (DY) and the input x (IN):
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * weight,
-    --param-grads GRADS.npz writes "dweight" = sum(dy * xhat), "dbias" = sum(dy).
+    --param-grads GRADS.npz writes "dweight" = sum(dy * xhat) (with --weight),
+    "dbias" = sum(dy) (with --weight or --bias).
     """
     _norm("layer_norm", **kw)
 
@@ -283,9 +285,12 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
     backward = grad is not None
     if not backward and param_grads:
         raise InputError("--param-grads needs --grad DY.npy: it is part of the backward pass")
-    if param_grads and w is None:
-        raise InputError("--param-grads needs --weight: the gradients are the weight's "
-                         "(and the bias's)")
+    # the gradients of the parameters given: dweight with --weight, dbias with either
+    grad_names = [n for n, on in (("dweight", w is not None),
+                                  ("dbias", layer and (w is not None or b is not None))) if on]
+    if param_grads and not grad_names:
+        raise InputError("--param-grads needs --weight" + (" or --bias" if layer else "") +
+                         ": the gradients are the parameters'")
     work = _work_dtype(dtype, x.dtype)
     _check_eps(op, eps, work)
     stat_dtype = np.dtype(np.float64 if work == np.float64 else np.float32)
@@ -351,16 +356,17 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
             res = fwd(xt, (m,), None, None, eps, return_stats=True) if layer else \
                 fwd(xt, (m,), None, eps, return_stats=True)
             st = [t.astype(stat_dtype, copy=False) for t in res[1:]]  # as if saved
-        res = bwd(dyt, xt, *st, wd)
+        res = bwd(dyt, xt, *st, wd, bd) if layer else bwd(dyt, xt, *st, wd)
         dx = res[0].astype(work) if dev == "cpu" else res[0]
-        return (dx,) + tuple(res[1:1 + (2 if layer else 1)] if want_grads else ())
+        if not want_grads:
+            return (dx,)
+        return (dx,) + tuple(g for n, g in zip(("dweight", "dbias"), res[1:]) if n in grad_names)
 
     results = [Result("y", m, work)]
     if want_stats:
         results += [Result(n, 1, stat_dtype) for n in stat_names]
     if want_grads:
-        results += [Result(n, m, work, summed=True)
-                    for n in (("dweight", "dbias") if layer else ("dweight",))]
+        results += [Result(n, m, work, summed=True) for n in grad_names]
     label = command + (" backward" if backward else "")
 
     with _io.Outputs() as outs:
@@ -370,7 +376,7 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
         if want_stats:
             scratch = [outs.scratch(Path(stats), lead, stat_dtype) for _ in stat_names]
             sinks += [as_rows(s, p, 1, 1) for s in scratch]
-        sinks += [None] * want_grads * (2 if layer else 1)
+        sinks += [None] * want_grads * len(grad_names)
         inputs = [as_rows(_io.c_order(a, s), p, m, 1) for a, s in zip(arrays, array_specs)]
         inputs += [as_rows(_io.c_order(s, "--stats"), p, 1, 1) for s in saved]
         sums, meter = _execute(fn, inputs, results, sinks, device=dev, chunk_rows=chunk_rows,
