@@ -810,17 +810,22 @@ def test_norm_failure_leaves_nothing(tmp_path, norm_files, monkeypatch):
 
 
 @needs_norms
-def test_norm_gpu_pipeline_sums_param_grads(tmp_path, norm_files, fake_gpu):
+@pytest.mark.parametrize("param", ["w", "b"])
+def test_norm_gpu_pipeline_sums_param_grads(tmp_path, norm_files, fake_gpu, param):
     f = norm_files
-    run("layer-norm", f["x"], "--grad", f["dy"], "--weight", f["w"], "-o", tmp_path / "dx.npy",
+    flag = "--weight" if param == "w" else "--bias"
+    run("layer-norm", f["x"], "--grad", f["dy"], flag, f[param], "-o", tmp_path / "dx.npy",
         "--param-grads", tmp_path / "g.npz", "--chunk-rows", "5")
-    xs, dys, w = (np.load(f[k]) for k in ("x", "dy", "w"))
+    xs, dys, p = (np.load(f[k]) for k in ("x", "dy", param))
     _, mean, rstd = reference.layer_norm(xs, (24,), None, None, 1e-5, return_stats=True)
+    w, b = (p, None) if param == "w" else (None, p)
     dx, dw, db = reference.layer_norm_backward(dys, xs, mean.astype(np.float32),
-                                               rstd.astype(np.float32), w)
+                                               rstd.astype(np.float32), w, b)
     assert bits(np.load(tmp_path / "dx.npy")) == bits(dx.astype(np.float32))
     g = np.load(tmp_path / "g.npz")
-    np.testing.assert_allclose(g["dweight"], dw, rtol=1e-6)
+    assert sorted(g) == (["dbias", "dweight"] if param == "w" else ["dbias"])
+    if param == "w":
+        np.testing.assert_allclose(g["dweight"], dw, rtol=1e-6)
     np.testing.assert_allclose(g["dbias"], db, rtol=1e-6)
 
 
