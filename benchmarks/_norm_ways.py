@@ -143,9 +143,9 @@ def run(args, moved_bytes) -> None:
         dy = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dt)
         w = (cp.random.standard_normal(cols, dtype=cp.float32) + 1).astype(dt)
         if op == "layer_norm_backward":
-            _, mean, rstd = cukern.layer_norm(x, cols, w, w)
+            _, mean, rstd = cukern.layer_norm(x, cols, w, w, return_stats=True)
             return x.nbytes, x.itemsize, lambda: cukern.layer_norm_backward(dy, x, mean, rstd, w)
-        _, rstd = cukern.rms_norm(x, cols, w)
+        _, rstd = cukern.rms_norm(x, cols, w, return_stats=True)
         return x.nbytes, x.itemsize, lambda: cukern.rms_norm_backward(dy, x, rstd, w)
 
     _bench.warm_up()

@@ -71,7 +71,8 @@ def make_call(lib, case, sets):
     fn = getattr(lib, op)
     if family == "softmax":
         if op.endswith("backward"):
-            return (lambda i: fn(sets[i]["y"], sets[i]["dy"]))
+            # by keyword: the base tree may take (y, dy), cukern now takes (dy, y)
+            return (lambda i: fn(y=sets[i]["y"], dy=sets[i]["dy"]))
         return (lambda i: fn(sets[i]["x"]))
     if op.endswith("backward"):
         if op.startswith("layer"):
@@ -81,7 +82,7 @@ def make_call(lib, case, sets):
     def run(i):
         s = sets[i]
         args = (s["x"], cols, s["w"]) + ((s["b"],) if op == "layer_norm" else ())
-        return fn(*args, residual=s["r"] if r else None)
+        return fn(*args, residual=s["r"] if r else None, return_stats=True)
 
     return run
 

@@ -81,9 +81,10 @@ def _inputs(op: str, rows: int, cols: int, dtype, n_sets: int) -> list[dict]:
         if op.endswith("backward"):
             d["dy"] = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
             if op.startswith("layer"):
-                _, d["mean"], d["rstd"] = cukern.layer_norm(d["x"], cols, d["w"], d["b"])
+                _, d["mean"], d["rstd"] = cukern.layer_norm(d["x"], cols, d["w"], d["b"],
+                                                            return_stats=True)
             else:
-                _, d["rstd"] = cukern.rms_norm(d["x"], cols, d["w"])
+                _, d["rstd"] = cukern.rms_norm(d["x"], cols, d["w"], return_stats=True)
         if op.endswith("residual"):
             d["r"] = cp.random.standard_normal((rows, cols), dtype=cp.float32).astype(dtype)
         sets.append(d)
@@ -96,8 +97,9 @@ def _cukern_fns(op: str, sets, cols: int) -> dict:
     if op in ("layer_norm", "rms_norm"):
         if layer:
             return {"cukern": lambda i: cukern.layer_norm(sets[i]["x"], cols, sets[i]["w"],
-                                                          sets[i]["b"])}
-        return {"cukern": lambda i: cukern.rms_norm(sets[i]["x"], cols, sets[i]["w"])}
+                                                          sets[i]["b"], return_stats=True)}
+        return {"cukern": lambda i: cukern.rms_norm(sets[i]["x"], cols, sets[i]["w"],
+                                                    return_stats=True)}
     if op.endswith("backward"):
         if layer:
             return {"cukern": lambda i: cukern.layer_norm_backward(
@@ -108,21 +110,22 @@ def _cukern_fns(op: str, sets, cols: int) -> dict:
     if layer:
         def fused(i):
             s = sets[i]
-            return cukern.layer_norm(s["x"], cols, s["w"], s["b"], residual=s["r"])
+            return cukern.layer_norm(s["x"], cols, s["w"], s["b"], residual=s["r"],
+                                     return_stats=True)
 
         def unfused(i):
             s = sets[i]
             h = s["x"] + s["r"]
-            return cukern.layer_norm(h, cols, s["w"], s["b"]), h
+            return cukern.layer_norm(h, cols, s["w"], s["b"], return_stats=True), h
     else:
         def fused(i):
             s = sets[i]
-            return cukern.rms_norm(s["x"], cols, s["w"], residual=s["r"])
+            return cukern.rms_norm(s["x"], cols, s["w"], residual=s["r"], return_stats=True)
 
         def unfused(i):
             s = sets[i]
             h = s["x"] + s["r"]
-            return cukern.rms_norm(h, cols, s["w"]), h
+            return cukern.rms_norm(h, cols, s["w"], return_stats=True), h
     return {"cukern": fused, "cukern_add_then_norm": unfused}
 
 
@@ -301,10 +304,10 @@ def host_overhead_us(n: int = 20000) -> dict:
     """Microseconds of host time per call on a tiny array."""
     x = cp.random.standard_normal((4, 64), dtype=cp.float32)
     w, b = cp.ones(64, cp.float32), cp.zeros(64, cp.float32)
-    _, mean, rstd = cukern.layer_norm(x, 64, w, b)
+    _, mean, rstd = cukern.layer_norm(x, 64, w, b, return_stats=True)
     out = {}
-    for label, fn in (("layer_norm", lambda: cukern.layer_norm(x, 64, w, b)),
-                      ("rms_norm", lambda: cukern.rms_norm(x, 64, w)),
+    for label, fn in (("layer_norm", lambda: cukern.layer_norm(x, 64, w, b, return_stats=True)),
+                      ("rms_norm", lambda: cukern.rms_norm(x, 64, w, return_stats=True)),
                       ("layer_norm_backward",
                        lambda: cukern.layer_norm_backward(x, x, mean, rstd, w)),
                       ("cupy_empty_like", lambda: cp.empty_like(x))):

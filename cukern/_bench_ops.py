@@ -157,8 +157,8 @@ def cukern_call(case: Case, sets: list[dict]) -> Callable[[int], object]:
     calls = {
         "softmax": lambda s: f(s["x"], out=s["out"]),
         "log_softmax": lambda s: f(s["x"], out=s["out"]),
-        "softmax_backward": lambda s: f(y=s["y"], dy=s["dy"], out=s["out"]),
-        "log_softmax_backward": lambda s: f(y=s["y"], dy=s["dy"], out=s["out"]),
+        "softmax_backward": lambda s: f(s["dy"], s["y"], out=s["out"]),
+        "log_softmax_backward": lambda s: f(s["dy"], s["y"], out=s["out"]),
         "layer_norm": lambda s: f(s["x"], (cols,), s["w"], s["b"], return_stats=True),
         "rms_norm": lambda s: f(s["x"], (cols,), s["w"], return_stats=True),
         "layer_norm_backward": lambda s: f(dy=s["dy"], x=s["x"], mean=s["mean"],

@@ -54,9 +54,10 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
     :data:`cukern._device.PRESETS`; plans from its occupancy model, no GPU needed), a CUDA
     device id (the driver's occupancy for the compiled kernels), or None: the current GPU when
     one is visible, else ``DeviceSpec.h100()``. ``weight``, ``bias``, ``residual``: whether the
-    call passes them (the norms; ``rms_norm`` takes no bias, the backwards only a weight): they
-    choose the kernel too. ``print(plan)`` shows it readably. ``op`` is a name of
-    ``cukern.registry.OPS`` (``"layer_norm"``) or its command-line spelling (``"layer-norm"``).
+    call passes them (the norms; ``rms_norm`` takes no bias, the backwards no residual, and
+    ``layer_norm_backward``'s bias alone plans as a weight): they choose the kernel too.
+    ``print(plan)`` shows it readably. ``op`` is a name of ``cukern.registry.OPS``
+    (``"layer_norm"``) or its command-line spelling (``"layer-norm"``).
     """
     if isinstance(op, str):
         op = op.replace("-", "_")
@@ -78,7 +79,11 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
         return _explain_batch_norm(op, shape, dtype, 1 if axis is None else axis, device,
                                    training=training, layout=layout, relu=relu, addend=addend)
     axis = -1 if axis is None else axis
-    switches = _switches(op, {"weight": weight, "bias": bias, "residual": residual})
+    flags = {"weight": weight, "bias": bias, "residual": residual}
+    flags_bool = all(isinstance(v, (bool, np.bool_)) for v in flags.values())
+    if op == "layer_norm_backward" and flags_bool and bias:
+        flags.update(weight=True, bias=False)  # dbias alone: the kernels with a weight of ones
+    switches = _switches(op, flags)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
         raise ValueError(f"explain: shape must be non-negative ints, got {shape}")

@@ -46,15 +46,15 @@ def log_softmax(x, axis: int = -1) -> np.ndarray:
 
 
 @_quiet
-def softmax_backward(y, dy, axis: int = -1) -> np.ndarray:
-    """``dx = (dy - sum(dy * y)) * y`` for y = softmax(x)."""
+def softmax_backward(dy, y, axis: int = -1) -> np.ndarray:
+    """``dx = (dy - sum(dy * y)) * y`` for y = softmax(x); the gradient ``dy`` first."""
     y, dy = _f64(y), _f64(dy)
     return (dy - np.sum(dy * y, axis=axis, keepdims=True)) * y
 
 
 @_quiet
-def log_softmax_backward(y, dy, axis: int = -1) -> np.ndarray:
-    """``dx = dy - exp(y) * sum(dy)`` for y = log_softmax(x)."""
+def log_softmax_backward(dy, y, axis: int = -1) -> np.ndarray:
+    """``dx = dy - exp(y) * sum(dy)`` for y = log_softmax(x); the gradient ``dy`` first."""
     y, dy = _f64(y), _f64(dy)
     return dy - np.exp(y) * np.sum(dy, axis=axis, keepdims=True)
 
@@ -81,11 +81,11 @@ def _skip(x, residual):
 
 @_quiet
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
-               residual=None, return_stats: bool = True):
+               residual=None, return_stats: bool = False):
     """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing dimensions, var
-    biased, from a two-pass float64 mean and variance. Returns (y, mean, rstd[, h]) or y / (y, h)
-    like :func:`cukern.layer_norm`; with a residual, x is replaced by h = x + residual rounded to
-    x's dtype."""
+    biased, from a two-pass float64 mean and variance. Returns y or (y, h), and with
+    ``return_stats=True`` (y, mean, rstd[, h]), like :func:`cukern.layer_norm`; with a
+    residual, x is replaced by h = x + residual rounded to x's dtype."""
     k = _norm_dims(x, normalized_shape)
     v, h = _skip(x, residual)
     axes = tuple(range(v.ndim - k, v.ndim))
@@ -106,9 +106,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
 
 @_quiet
 def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6, *, residual=None,
-             return_stats: bool = True):
+             return_stats: bool = False):
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing dimensions. Returns
-    (y, rstd[, h]) or y / (y, h) like :func:`cukern.rms_norm`."""
+    y or (y, h), and (y, rstd[, h]) with ``return_stats=True``, like :func:`cukern.rms_norm`."""
     k = _norm_dims(x, normalized_shape)
     v, h = _skip(x, residual)
     axes = tuple(range(v.ndim - k, v.ndim))
@@ -142,11 +142,15 @@ def _norm_backward(dy, x, mean, rstd, weight):
     return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead)
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight=None):
+def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None):
     """``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``xhat = (x - mean) * rstd``,
-    ``g = dy * weight``; ``dweight = sum_rows(dy * xhat)``, ``dbias = sum_rows(dy)`` (None, None
-    without a weight). Returns (dx, dweight, dbias) like :func:`cukern.layer_norm_backward`."""
-    return _norm_backward(dy, x, mean, rstd, weight)
+    ``g = dy * weight``; ``dweight = sum_rows(dy * xhat)`` (None without a weight), ``dbias =
+    sum_rows(dy)`` (None without a weight or a bias). Returns (dx, dweight, dbias) like
+    :func:`cukern.layer_norm_backward`."""
+    dx, dw, db = _norm_backward(dy, x, mean, rstd, weight)
+    if weight is None and bias is not None:
+        db = _f64(dy).sum(axis=tuple(range(np.ndim(x) - np.ndim(bias))))
+    return dx, dw, db
 
 
 def rms_norm_backward(dy, x, rstd, weight=None):

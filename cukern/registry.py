@@ -23,7 +23,7 @@ class OpSpec:
     family: str  # "softmax" | "norm" | "batch_norm" | "permute"
     policy: OpPolicy | None  # row-wise planning (None: the family plans itself)
     reference: Callable | None  # the float64 NumPy reference, same arguments as the op
-    inputs: tuple[str, ...]  # full-size array arguments, in order
+    inputs: tuple[str, ...]  # full-size array arguments, in order (a backward's dy first)
     traffic: tuple[int, int]  # full-size arrays read, written (parameters and statistics aside)
     forward: str | None = None  # a backward op's forward
     # (dtype, pack) -> the auxiliary kernels the op may launch beside its planned kernel
@@ -77,8 +77,8 @@ def _bn(name: str, inputs: tuple[str, ...], traffic: tuple[int, int],
 OPS: dict[str, OpSpec] = {o.name: o for o in (
     _op("softmax", "softmax", softmax.POLICIES, ("x",), (1, 1)),
     _op("log_softmax", "softmax", softmax.POLICIES, ("x",), (1, 1)),
-    _op("softmax_backward", "softmax", softmax.POLICIES, ("y", "dy"), (2, 1), "softmax"),
-    _op("log_softmax_backward", "softmax", softmax.POLICIES, ("y", "dy"), (2, 1), "log_softmax"),
+    _op("softmax_backward", "softmax", softmax.POLICIES, ("dy", "y"), (2, 1), "softmax"),
+    _op("log_softmax_backward", "softmax", softmax.POLICIES, ("dy", "y"), (2, 1), "log_softmax"),
     _op("layer_norm", "norm", norm.POLICIES, ("x",), (1, 1)),
     _op("rms_norm", "norm", norm.POLICIES, ("x",), (1, 1)),
     _op("layer_norm_backward", "norm", norm.POLICIES, ("dy", "x"), (2, 1), "layer_norm",

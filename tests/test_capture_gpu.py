@@ -280,7 +280,7 @@ def test_torch_graph_keeps_cukern_temporaries(rng):
     temps = [(p, n) for p, n in allocs if p not in held]
     assert temps, "the call made no temporaries"
     assert cukern.capture_memory_bytes() > 0
-    with ct._cupy_stream(side.cuda_stream, torch.cuda.current_device()):  # its CuPy pool
+    with ct._base._cupy_stream(side.cuda_stream, torch.cuda.current_device()):  # its CuPy pool
         sentinels = _sentinels(temps)
         side.synchronize()
     for t in res:

@@ -164,7 +164,7 @@ def test_softmax_backward(tmp_path, rng, log):
     y, dy = save(tmp_path / "y.npy", ys), save(tmp_path / "dy.npy", dys)
     out = tmp_path / "dx.npy"
     run("softmax", y, "--grad", dy, "-o", out, "--device", "cpu", *(["--log"] if log else []))
-    ref = (reference.log_softmax_backward if log else reference.softmax_backward)(ys, dys)
+    ref = (reference.log_softmax_backward if log else reference.softmax_backward)(dys, ys)
     assert bits(np.load(out)) == bits(ref)
 
 
@@ -700,7 +700,7 @@ def test_layer_norm_forward(tmp_path, norm_files, rows):
     run("layer-norm", f["x"], "-o", many, "--stats", tmp_path / "s2.npz", "--chunk-rows", rows,
         *common)
     xs, w, b = (np.load(f[k]) for k in ("x", "w", "b"))
-    y, mean, rstd = reference.layer_norm(xs, (24,), w, b, 1e-5)
+    y, mean, rstd = reference.layer_norm(xs, (24,), w, b, 1e-5, return_stats=True)
     assert bits(np.load(one)) == bits(np.load(many)) == bits(y.astype(np.float32))
     s1, s2 = np.load(tmp_path / "s1.npz"), np.load(tmp_path / "s2.npz")
     assert sorted(s1) == ["mean", "rstd"]
@@ -716,7 +716,7 @@ def test_layer_norm_two_axes(tmp_path, norm_files):
     run("layer-norm", f["x"], "-o", out, "--weight", f["w2"], "--device", "cpu",
         "--chunk-rows", "4")
     xs, w2 = np.load(f["x"]), np.load(f["w2"])
-    y = reference.layer_norm(xs, (7, 24), w2, None, 1e-5)[0]
+    y = reference.layer_norm(xs, (7, 24), w2, None, 1e-5)
     assert bits(np.load(out)) == bits(y.astype(np.float32))
 
 
@@ -748,6 +748,27 @@ def test_layer_norm_backward(tmp_path, norm_files, saved):
 
 
 @needs_norms
+def test_layer_norm_backward_bias_alone(tmp_path, norm_files):
+    """--bias without --weight: --param-grads holds dbias alone, dy summed over all rows."""
+    f = norm_files
+    run("layer-norm", f["x"], "--grad", f["dy"], "--bias", f["b"], "-o", tmp_path / "dx.npy",
+        "--param-grads", tmp_path / "g.npz", "--device", "cpu", "--chunk-rows", "4")
+    xs, dys, b = (np.load(f[k]) for k in ("x", "dy", "b"))
+    _, mean, rstd = reference.layer_norm(xs, (24,), None, b, 1e-5, return_stats=True)
+    dx, dw, db = reference.layer_norm_backward(dys, xs, mean.astype(np.float32),
+                                               rstd.astype(np.float32), None, b)
+    assert dw is None
+    assert bits(np.load(tmp_path / "dx.npy")) == bits(dx.astype(np.float32))
+    g = np.load(tmp_path / "g.npz")
+    assert sorted(g) == ["dbias"] and g["dbias"].dtype == np.float32
+    np.testing.assert_allclose(g["dbias"], dys.astype(np.float64).sum((0, 1)), rtol=1e-6,
+                               atol=1e-6)
+    fails("layer-norm", f["x"], "--grad", f["dy"], "-o", tmp_path / "dx2.npy", "--param-grads",
+          tmp_path / "g2.npz", "--device", "cpu", code=2,
+          says="--param-grads needs --weight or --bias")
+
+
+@needs_norms
 def test_rms_norm_forward_and_backward(tmp_path, norm_files):
     f = norm_files
     stats = tmp_path / "s.npz"
@@ -756,7 +777,7 @@ def test_rms_norm_forward_and_backward(tmp_path, norm_files):
     run("rms-norm", f["x"], "-o", tmp_path / "y2.npy", "--weight", f["w"], "--device", "cpu",
         "--chunk-rows", "3")
     xs, dys, w = (np.load(f[k]) for k in ("x", "dy", "w"))
-    y, rstd = reference.rms_norm(xs, (24,), w, 1e-6)
+    y, rstd = reference.rms_norm(xs, (24,), w, 1e-6, return_stats=True)
     assert bits(np.load(tmp_path / "y1.npy")) == bits(np.load(tmp_path / "y2.npy")) == \
         bits(y.astype(np.float32))
     assert sorted(np.load(stats)) == ["rstd"]
@@ -789,17 +810,22 @@ def test_norm_failure_leaves_nothing(tmp_path, norm_files, monkeypatch):
 
 
 @needs_norms
-def test_norm_gpu_pipeline_sums_param_grads(tmp_path, norm_files, fake_gpu):
+@pytest.mark.parametrize("param", ["w", "b"])
+def test_norm_gpu_pipeline_sums_param_grads(tmp_path, norm_files, fake_gpu, param):
     f = norm_files
-    run("layer-norm", f["x"], "--grad", f["dy"], "--weight", f["w"], "-o", tmp_path / "dx.npy",
+    flag = "--weight" if param == "w" else "--bias"
+    run("layer-norm", f["x"], "--grad", f["dy"], flag, f[param], "-o", tmp_path / "dx.npy",
         "--param-grads", tmp_path / "g.npz", "--chunk-rows", "5")
-    xs, dys, w = (np.load(f[k]) for k in ("x", "dy", "w"))
-    _, mean, rstd = reference.layer_norm(xs, (24,), None, None, 1e-5)
+    xs, dys, p = (np.load(f[k]) for k in ("x", "dy", param))
+    _, mean, rstd = reference.layer_norm(xs, (24,), None, None, 1e-5, return_stats=True)
+    w, b = (p, None) if param == "w" else (None, p)
     dx, dw, db = reference.layer_norm_backward(dys, xs, mean.astype(np.float32),
-                                               rstd.astype(np.float32), w)
+                                               rstd.astype(np.float32), w, b)
     assert bits(np.load(tmp_path / "dx.npy")) == bits(dx.astype(np.float32))
     g = np.load(tmp_path / "g.npz")
-    np.testing.assert_allclose(g["dweight"], dw, rtol=1e-6)
+    assert sorted(g) == (["dbias", "dweight"] if param == "w" else ["dbias"])
+    if param == "w":
+        np.testing.assert_allclose(g["dweight"], dw, rtol=1e-6)
     np.testing.assert_allclose(g["dbias"], db, rtol=1e-6)
 
 

@@ -227,7 +227,7 @@ def test_references_are_quiet_on_nan_and_inf():
         reference.rms_norm_backward(dy, x, r)
         reference.batch_norm(x, np.zeros(3), np.ones(3), training=True)
         reference.batch_stats(x)
-        reference.softmax_backward(x, dy)
+        reference.softmax_backward(dy, x)
     assert np.isnan(y[0]).all()  # NaN propagates over its row, as on the GPU
 
 

@@ -99,8 +99,8 @@ def test_softmax_family(scheduler, rng, op, dtype):
     same_bits(y, by_rows(f, [x], 256))
     close(y, f(x), dtype)
     ys = f(x)
-    back = getattr(cd, op + "_backward")(on_gpu(ys, (300, -1)), on_gpu(dy, (300, -1)))
-    same_bits(back.compute(), by_rows(getattr(cukern, op + "_backward"), [ys, dy], 300))
+    back = getattr(cd, op + "_backward")(on_gpu(dy, (300, -1)), on_gpu(ys, (300, -1)))
+    same_bits(back.compute(), by_rows(getattr(cukern, op + "_backward"), [dy, ys], 300))
 
 
 def test_softmax_rechunks_the_axis(scheduler, rng):
@@ -124,10 +124,10 @@ def test_norms(scheduler, rng, op, dtype):
     f = getattr(cukern, op)
 
     def single(xs, rs):
-        return f(xs, 1024, *params, residual=rs)
+        return f(xs, 1024, *params, residual=rs, return_stats=True)
 
     got = dask.compute(*getattr(cd, op)(on_gpu(x, (512, -1)), 1024, *params,
-                                        residual=on_gpu(r, (512, -1))))
+                                        residual=on_gpu(r, (512, -1)), return_stats=True))
     want = by_rows(single, [x, r], 512)
     assert len(got) == len(want) == (4 if layer else 3)
     for g, e in zip(got, want):
@@ -144,6 +144,27 @@ def test_norms(scheduler, rng, op, dtype):
         assert g.dtype == dt
         close(g, rf, dtype, scale=2)  # reduced across blocks: as good as the single call
         close(e, rf, dtype, scale=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_bias_only_layer_norm_backward(scheduler, rng, dtype):
+    """A bias alone: dbias from the blocks' float32 partial sums, tree-reduced, as the
+    single-GPU call's; dweight None; dx block by block as the single call on its rows."""
+    dt = np_dtype(dtype)
+    x = cp.asarray((rng.standard_normal((2000, 1024)) * 2 + 1).astype(dt))
+    dy = cp.asarray(rng.standard_normal((2000, 1024)).astype(dt))
+    b = cp.asarray(rng.standard_normal(1024).astype(dt))
+    _, mean, rstd = cukern.layer_norm(x, 1024, None, b, return_stats=True)
+    dx, dw, db = cd.layer_norm_backward(on_gpu(dy, (512, -1)), on_gpu(x, (512, -1)),
+                                        on_gpu(mean, 512), on_gpu(rstd, 512), None, b)
+    assert dw is None
+    dx, db = dask.compute(dx, db)
+    whole = cukern.layer_norm_backward(dy, x, mean, rstd, None, b)
+    same_bits(dx, by_rows(lambda d, t, m, r: cukern.layer_norm_backward(d, t, m, r, None, b)[0],
+                          [dy, x, mean, rstd], 512))
+    assert db.dtype == dt
+    close(db, host(dy).astype(np.float64).sum(0), dtype, scale=2)
+    close(whole[2], host(dy).astype(np.float64).sum(0), dtype, scale=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,8 +286,8 @@ class TestSeveralGPUs:
         w = cp.asarray(rng.standard_normal(1024).astype(np.float16))
         xa, dya = on_gpu(x, (256, -1)), on_gpu(dy, (256, -1))
         same_bits(cd.softmax(xa).compute(), by_rows(cukern.softmax, [x], 256))
-        y, mean, rstd = dask.compute(*cd.layer_norm(xa, 1024, w))
-        want = by_rows(lambda t: cukern.layer_norm(t, 1024, w), [x], 256)
+        y, mean, rstd = dask.compute(*cd.layer_norm(xa, 1024, w, return_stats=True))
+        want = by_rows(lambda t: cukern.layer_norm(t, 1024, w, return_stats=True), [x], 256)
         for g, e in zip((y, mean, rstd), want):
             same_bits(g, e)
         dx, dw, db = dask.compute(*cd.layer_norm_backward(dya, xa, mean, rstd, w))

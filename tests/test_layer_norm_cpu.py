@@ -778,14 +778,14 @@ def _naive_layer_norm(x, k, w, b, eps):
 def test_reference_layer_norm_matches_naive(rng):
     x = rng.standard_normal((3, 4, 5, 6)) * 3 + 2
     w, b = rng.standard_normal((5, 6)), rng.standard_normal((5, 6))
-    y, mean, rstd = reference.layer_norm(x, (5, 6), w, b, eps=1e-3)
+    y, mean, rstd = reference.layer_norm(x, (5, 6), w, b, eps=1e-3, return_stats=True)
     ny, nm, nr = _naive_layer_norm(x, 2, w, b, 1e-3)
     np.testing.assert_allclose(y, ny, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(mean, nm, rtol=1e-12)
     np.testing.assert_allclose(rstd, nr, rtol=1e-12)
     assert mean.shape == rstd.shape == (3, 4)
     # normalised rows have mean 0 and variance var / (var + eps)
-    y0 = reference.layer_norm(x, 6, eps=1e-9, return_stats=False)
+    y0 = reference.layer_norm(x, 6, eps=1e-9)
     np.testing.assert_allclose(y0.mean(-1), 0, atol=1e-12)
     np.testing.assert_allclose(y0.var(-1), 1, rtol=1e-6)
 
@@ -793,7 +793,7 @@ def test_reference_layer_norm_matches_naive(rng):
 def test_reference_rms_norm_matches_naive(rng):
     x = rng.standard_normal((7, 33)) + 1
     w = rng.standard_normal(33)
-    y, rstd = reference.rms_norm(x, 33, w, eps=1e-6)
+    y, rstd = reference.rms_norm(x, 33, w, eps=1e-6, return_stats=True)
     ms = np.array([sum(v * v for v in row.tolist()) / 33 for row in x])
     np.testing.assert_allclose(rstd, 1 / np.sqrt(ms + 1e-6), rtol=1e-12)
     np.testing.assert_allclose(y, x / np.sqrt(ms + 1e-6)[:, None] * w, rtol=1e-12)
@@ -802,19 +802,20 @@ def test_reference_rms_norm_matches_naive(rng):
 def test_reference_return_tuples_and_residual(rng):
     x = rng.standard_normal((4, 8)).astype(np.float16)
     r = rng.standard_normal((4, 8)).astype(np.float16)
-    out = reference.layer_norm(x, 8, residual=r)
+    out = reference.layer_norm(x, 8, residual=r, return_stats=True)
     assert len(out) == 4
     y, mean, _, h = out
     # h is the sum rounded to x's dtype, and the statistics are those of h
     np.testing.assert_array_equal(h, (x + r).astype(np.float64))
     np.testing.assert_allclose(mean, h.mean(-1), rtol=1e-12)
-    y2, h2 = reference.layer_norm(x, 8, residual=r, return_stats=False)
+    y2, h2 = reference.layer_norm(x, 8, residual=r)  # (y, h) by default
     np.testing.assert_array_equal(y2, y)
     np.testing.assert_array_equal(h2, h)
-    assert isinstance(reference.layer_norm(x, 8, return_stats=False), np.ndarray)
-    assert len(reference.rms_norm(x, 8)) == 2
-    assert len(reference.rms_norm(x, 8, residual=r)) == 3
-    assert len(reference.rms_norm(x, 8, residual=r, return_stats=False)) == 2
+    assert isinstance(reference.layer_norm(x, 8), np.ndarray)  # y alone, as F.layer_norm
+    assert isinstance(reference.rms_norm(x, 8), np.ndarray)
+    assert len(reference.rms_norm(x, 8, return_stats=True)) == 2
+    assert len(reference.rms_norm(x, 8, residual=r, return_stats=True)) == 3
+    assert len(reference.rms_norm(x, 8, residual=r)) == 2
     with pytest.raises(ValueError, match="trailing"):
         reference.layer_norm(x, 7)
 
@@ -840,7 +841,7 @@ def test_reference_layer_norm_backward_matches_finite_differences(rng, affine):
     def loss_x(xx):
         return np.sum(dy * reference.layer_norm(xx, (2, 5), w, b, eps, return_stats=False))
 
-    _, mean, rstd = reference.layer_norm(x, (2, 5), w, b, eps)
+    _, mean, rstd = reference.layer_norm(x, (2, 5), w, b, eps, return_stats=True)
     dx, dw, db = reference.layer_norm_backward(dy, x, mean, rstd, w)
     np.testing.assert_allclose(dx, _fd(loss_x, x), rtol=1e-6, atol=1e-8)
     if not affine:
@@ -866,7 +867,7 @@ def test_reference_rms_norm_backward_matches_finite_differences(rng, affine):
     def loss_x(xx):
         return np.sum(dy * reference.rms_norm(xx, 7, w, eps, return_stats=False))
 
-    _, rstd = reference.rms_norm(x, 7, w, eps)
+    _, rstd = reference.rms_norm(x, 7, w, eps, return_stats=True)
     dx, dw = reference.rms_norm_backward(dy, x, rstd, w)
     np.testing.assert_allclose(dx, _fd(loss_x, x), rtol=1e-6, atol=1e-8)
     if affine:
@@ -885,7 +886,7 @@ def test_naive_variance_would_fail_where_the_reference_holds(rng):
     true_var = x64.var(-1)
     naive = (x * x).mean(-1, dtype=np.float32) - x.mean(-1, dtype=np.float32) ** 2
     assert np.max(np.abs(naive - true_var) / true_var) > 0.1
-    _, _, rstd = reference.layer_norm(x, 4096, eps=1e-12)
+    _, _, rstd = reference.layer_norm(x, 4096, eps=1e-12, return_stats=True)
     np.testing.assert_allclose(rstd, 1 / np.sqrt(true_var + 1e-12), rtol=1e-12)
 
 

@@ -150,7 +150,7 @@ def check_forward(op, x, ns, w, b, r, dtype, eps=None):
     statistics and h with the float64 reference."""
     layer = op == "layer_norm"
     eps = eps if eps is not None else (1e-5 if layer else 1e-6)
-    kw = {"residual": r}
+    kw = {"residual": r, "return_stats": True}
     if layer:
         ref = reference.layer_norm(x, ns, w, b, eps, **kw)
         args = (cp.asarray(x), ns, None if w is None else cp.asarray(w),
@@ -162,7 +162,8 @@ def check_forward(op, x, ns, w, b, r, dtype, eps=None):
     lead = x.shape[:x.ndim - k]
     item = ITEM[dtype]
     poison((x.shape, item), (x.shape, item), (lead, 8), (lead, 8))
-    got = getattr(cukern, op)(*args, residual=None if r is None else cp.asarray(r))
+    got = getattr(cukern, op)(*args, residual=None if r is None else cp.asarray(r),
+                              return_stats=True)
     assert len(got) == len(ref)
     y, y_ref = got[0], ref[0]
     assert y.dtype == np_dtype(dtype) and y.shape == x.shape
@@ -217,15 +218,16 @@ def test_repeated_calls_take_the_fast_path(rng, monkeypatch):
     x = cp.asarray(make((64, 3000), "float16", rng))
     w = cp.asarray(make(3000, "float16", rng, 1.0, 1.0))
     b = cp.asarray(make(3000, "float16", rng))
-    first = cukern.layer_norm(x, 3000, w, b)
+    first = cukern.layer_norm(x, 3000, w, b, return_stats=True)
     assert len(ln_mod._fresh) == 1
-    again = cukern.layer_norm(x, 3000, w, b)
+    again = cukern.layer_norm(x, 3000, w, b, return_stats=True)
     assert len(ln_mod._fresh) == 1
     for a, c in zip(first, again):
         assert a.data.ptr != c.data.ptr
         np.testing.assert_array_equal(host(a), host(c))
     y, rstd = cukern.rms_norm(x, (3000,), w, return_stats=True)
-    y2, rstd2 = cukern.rms_norm(x, (3000,), w)
+    y2 = cukern.rms_norm(x, (3000,), w)  # y alone by default
+    assert isinstance(y2, cp.ndarray)
     np.testing.assert_array_equal(host(y), host(y2))
     with pytest.raises(TypeError, match="eps"):
         cukern.layer_norm(x, 3000, w, b, eps=True)
@@ -236,9 +238,9 @@ def test_repeated_calls_take_the_fast_path(rng, monkeypatch):
     # a weight that needs a contiguous copy is never cached, and still right
     wide = cp.asarray(make(6000, "float16", rng, 1.0, 1.0))
     before = len(ln_mod._fresh)
-    check = cukern.layer_norm(x, 3000, wide[::2], b)[0]
+    check = cukern.layer_norm(x, 3000, wide[::2], b)
     assert len(ln_mod._fresh) == before
-    ref = cukern.layer_norm(x, 3000, cp.ascontiguousarray(wide[::2]), b)[0]
+    ref = cukern.layer_norm(x, 3000, cp.ascontiguousarray(wide[::2]), b)
     np.testing.assert_array_equal(host(check), host(ref))
     assert len(ln_mod._fresh) == before  # the strided weight added no entry
     # backward: the same gradients twice
@@ -261,10 +263,10 @@ def test_forward_return_forms(rng):
     y = cukern.layer_norm(x, 40, return_stats=False)
     assert isinstance(y, cp.ndarray) and y.shape == (6, 40)
     y2, h = cukern.layer_norm(x, 40, residual=r, return_stats=False)
-    np.testing.assert_allclose(host(y2), host(cukern.layer_norm(x + r, 40)[0]), rtol=1e-6,
+    np.testing.assert_allclose(host(y2), host(cukern.layer_norm(x + r, 40)), rtol=1e-6,
                                atol=1e-6)
     np.testing.assert_array_equal(host(h), host(x + r))
-    y3, rstd3, h3 = cukern.rms_norm(x, (40,), residual=r)
+    y3, rstd3, h3 = cukern.rms_norm(x, (40,), residual=r, return_stats=True)
     assert rstd3.shape == (6,) and y3.shape == h3.shape == (6, 40)
     y4 = cukern.rms_norm(x, 40, return_stats=False)
     assert isinstance(y4, cp.ndarray)
@@ -358,11 +360,12 @@ def test_residual_clusters_prefetch_rows_of_their_own_strides(op, dtype, rng):
     dx, dr = cp.asarray(hx)[:, 8:8 + cols], cp.asarray(hr)[:, 16:16 + cols]
     poison(((rows, cols), ITEM[dtype]), ((rows, cols), ITEM[dtype]), ((rows,), 8), ((rows,), 8))
     if layer:
-        ref = reference.layer_norm(xs, cols, w, b, 1e-5, residual=rs)
-        got = cukern.layer_norm(dx, cols, cp.asarray(w), cp.asarray(b), 1e-5, residual=dr)
+        ref = reference.layer_norm(xs, cols, w, b, 1e-5, residual=rs, return_stats=True)
+        got = cukern.layer_norm(dx, cols, cp.asarray(w), cp.asarray(b), 1e-5, residual=dr,
+                                return_stats=True)
     else:
-        ref = reference.rms_norm(xs, cols, w, 1e-6, residual=rs)
-        got = cukern.rms_norm(dx, cols, cp.asarray(w), 1e-6, residual=dr)
+        ref = reference.rms_norm(xs, cols, w, 1e-6, residual=rs, return_stats=True)
+        got = cukern.rms_norm(dx, cols, cp.asarray(w), 1e-6, residual=dr, return_stats=True)
     plan = ln_mod.last_plan(op)
     assert plan.variant is Variant.CLUSTER and plan.overlap, plan
     assert plan.pack_size * ITEM[dtype] == 16, plan
@@ -488,7 +491,8 @@ def test_constant_rows(op, dtype, rng, monkeypatch):
             x = np.broadcast_to(c, (5, cols)).astype(np_dtype(dtype))
             b = make(cols, dtype, rng)
             if op == "layer_norm":
-                y, mean, rstd = cukern.layer_norm(cp.asarray(x), cols, None, cp.asarray(b))
+                y, mean, rstd = cukern.layer_norm(cp.asarray(x), cols, None, cp.asarray(b),
+                                                  return_stats=True)
                 np.testing.assert_array_equal(host(y), np.broadcast_to(b.astype(np.float64),
                                                                        (5, cols)))
                 np.testing.assert_allclose(host(mean), x[:, 0].astype(np.float64),
@@ -647,14 +651,14 @@ def test_views_and_layouts(rng):
         cols = hx.shape[-1]
         ref = reference.layer_norm(hx, cols, w[:cols])
         got = cukern.layer_norm(dx, cols, cp.asarray(w[:cols]))
-        assert rel_err(got[0], ref[0]) <= TOL["float32"]
+        assert rel_err(got, ref) <= TOL["float32"]
     # several normalised dimensions, leading dimensions that do not merge (copied)
     cube = make((4, 3, 10, 16), "float32", rng)
     dcube = cp.asarray(cube)
     w2 = make((10, 16), "float32", rng)
     for hv, dv in [(cube, dcube), (cube.transpose(1, 0, 2, 3), dcube.transpose(1, 0, 2, 3))]:
-        ref = reference.layer_norm(hv, (10, 16), w2)
-        got = cukern.layer_norm(dv, (10, 16), cp.asarray(w2))
+        ref = reference.layer_norm(hv, (10, 16), w2, return_stats=True)
+        got = cukern.layer_norm(dv, (10, 16), cp.asarray(w2), return_stats=True)
         assert got[1].shape == hv.shape[:2]
         assert rel_err(got[0], ref[0]) <= TOL["float32"]
         dy = make(hv.shape, "float32", rng)
@@ -669,53 +673,57 @@ def test_views_and_layouts(rng):
     got = cukern.layer_norm(db[:, :1000], 1000, cp.asarray(wbig)[::2],
                             residual=cp.asarray(r)[:, 500:1500])
     assert rel_err(got[0], ref[0]) <= TOL["float32"]
-    np.testing.assert_array_equal(host(got[3]), ref[3])
+    np.testing.assert_array_equal(host(got[1]), ref[1])  # (y, h) without the statistics
 
 
 def test_empty_arrays():
     for shape, ns in [((0, 5), 5), ((2, 0, 3), 3), ((0,), 0)]:
         x = cp.empty(shape, cp.float32)
-        y, mean, rstd = cukern.layer_norm(x, ns)
+        y, mean, rstd = cukern.layer_norm(x, ns, return_stats=True)
         assert y.shape == shape and mean.shape == shape[:-1]
         dx, dw, db = cukern.layer_norm_backward(x, x, mean, rstd, cp.ones(ns, cp.float32))
         assert dx.shape == shape and dw.shape == (ns,)
         assert bool((dw == 0).all()) and bool((db == 0).all())
     # rows but no columns: the statistics of no values are NaN, as in NumPy
     x = cp.empty((3, 0), cp.float32)
-    y, mean, rstd = cukern.layer_norm(x, 0)
+    y, mean, rstd = cukern.layer_norm(x, 0, return_stats=True)
     assert y.shape == (3, 0) and bool(cp.isnan(mean).all()) and bool(cp.isnan(rstd).all())
-    y, rstd = cukern.rms_norm(x, 0)
+    y, rstd = cukern.rms_norm(x, 0, return_stats=True)
     assert bool(cp.isnan(rstd).all())
     # one row of one dimension: statistics are 0-d
-    y, mean, rstd = cukern.layer_norm(cp.arange(4, dtype=cp.float32), 4)
+    y, mean, rstd = cukern.layer_norm(cp.arange(4, dtype=cp.float32), 4, return_stats=True)
     assert mean.shape == () and float(mean) == 1.5
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward.
 
-def check_backward(op, x, dy, w, dtype):
+def check_backward(op, x, dy, w, dtype, b=None):
     """Statistics from the float64 forward, rounded to the statistics dtype, go to both the
-    kernel and the reference; dx, dweight, dbias from NaN-poisoned fresh outputs."""
+    kernel and the reference; dx, dweight, dbias from NaN-poisoned fresh outputs. ``b``: the
+    layer norm's bias (dbias is expected with a weight or a bias)."""
     layer = op == "layer_norm_backward"
     cols = x.shape[-1]
     sdt = stat_dtype(dtype)
     x64 = x.astype(np.float64)
     if layer:
-        _, mean, rstd = reference.layer_norm(x64, cols)
+        _, mean, rstd = reference.layer_norm(x64, cols, return_stats=True)
         stats = (mean.astype(sdt), rstd.astype(sdt))
     else:
-        _, rstd = reference.rms_norm(x64, cols)
+        _, rstd = reference.rms_norm(x64, cols, return_stats=True)
         stats = (rstd.astype(sdt),)
+    bias = () if b is None else (b,)
     ref = getattr(reference, op)(dy.astype(np.float64), x64,
                                  *[s.astype(np.float64) for s in stats],
-                                 None if w is None else w.astype(np.float64))
+                                 None if w is None else w.astype(np.float64),
+                                 *[p.astype(np.float64) for p in bias])
     item = ITEM[dtype]
     poison((x.shape, item), ((cols,), item), ((cols,), item))
     got = getattr(cukern, op)(cp.asarray(dy), cp.asarray(x), *[cp.asarray(s) for s in stats],
-                              None if w is None else cp.asarray(w))
+                              None if w is None else cp.asarray(w),
+                              *[cp.asarray(p) for p in bias])
     assert len(got) == len(ref)
-    where = f"{op} {dtype} {x.shape} weight={w is not None}"
+    where = f"{op} {dtype} {x.shape} weight={w is not None} bias={b is not None}"
     # dx's natural scale is rstd * |dy * w|: with 1 or 2 columns dx itself is ~0 by cancellation
     g = dy.astype(np.float64) * (1 if w is None else w.astype(np.float64))
     scale = max(np.linalg.norm(ref[0]), np.linalg.norm(stats[-1].astype(np.float64)[:, None] * g))
@@ -723,8 +731,8 @@ def check_backward(op, x, dy, w, dtype):
     err = rel_err(got[0], ref[0], scale)
     assert err <= TOL[dtype], f"{where}: dx rel err {err:.3g}"
     for name, gv, rv in zip(("dweight", "dbias"), got[1:], ref[1:]):
-        if w is None:
-            assert gv is None, name
+        if w is None and (name == "dweight" or b is None):
+            assert gv is None and rv is None, name
             continue
         assert gv.dtype == np_dtype(dtype) and gv.shape == (cols,)
         err = rel_err(gv, rv)
@@ -907,13 +915,13 @@ def test_forward_backward_round_trip(rng):
     r = cp.asarray(make((64, 3000), "bfloat16", rng))
     w = cp.asarray(make(3000, "bfloat16", rng, 1.0, 1.0))
     b = cp.asarray(make(3000, "bfloat16", rng))
-    y, mean, rstd, h = cukern.layer_norm(x, 3000, w, b, residual=r)
+    y, mean, rstd, h = cukern.layer_norm(x, 3000, w, b, residual=r, return_stats=True)
     dy = cp.asarray(make((64, 3000), "bfloat16", rng))
     dx, dw, db = cukern.layer_norm_backward(dy, h, mean, rstd, w)
     ref = reference.layer_norm_backward(host(dy), host(h), host(mean), host(rstd), host(w))
     for g, r_ in zip((dx, dw, db), ref):
         assert rel_err(g, r_) <= TOL["bfloat16"]
-    _, rstd, h = cukern.rms_norm(x, 3000, w, residual=r)
+    _, rstd, h = cukern.rms_norm(x, 3000, w, residual=r, return_stats=True)
     dx, dw = cukern.rms_norm_backward(dy, h, rstd, w)
     ref = reference.rms_norm_backward(host(dy), host(h), host(rstd), host(w))
     for g, r_ in zip((dx, dw), ref):
@@ -932,7 +940,7 @@ def test_torch_round_trip(dtype):
     r = torch.randn_like(x)
     w = torch.randn(1000, device="cuda", dtype=tdt) + 1
     b = torch.randn(1000, device="cuda", dtype=tdt)
-    y, mean, rstd, h = cukern.layer_norm(x, 1000, w, b, residual=r)
+    y, mean, rstd, h = cukern.layer_norm(x, 1000, w, b, residual=r, return_stats=True)
     for t in (y, mean, rstd, h):
         assert isinstance(t, torch.Tensor) and t.device == x.device
     assert y.dtype == tdt and h.dtype == tdt and mean.dtype == torch.float32
@@ -947,7 +955,7 @@ def test_torch_round_trip(dtype):
     for got, want in ((dx, hd.grad), (dw, wd.grad), (db, bd.grad)):
         assert isinstance(got, torch.Tensor) and got.dtype == tdt
         assert float((got.double() - want).norm() / want.norm()) < 2 * TOL[dtype]
-    y2, rstd2 = cukern.rms_norm(x, 1000, w)
+    y2, rstd2 = cukern.rms_norm(x, 1000, w, return_stats=True)
     assert rstd2.dtype == torch.float32 and rstd2.shape == (257,)
     ms = x.double().pow(2).mean(-1, keepdim=True)
     ref2 = x.double() * torch.rsqrt(ms + 1e-6) * w.double()
@@ -962,12 +970,12 @@ def test_jax_round_trip(dtype, rng):
     x64 = rng.standard_normal((129, 2048))
     x = jnp.asarray(x64, dtype=getattr(jnp, dtype))
     w = jnp.asarray(rng.standard_normal(2048) + 1, dtype=getattr(jnp, dtype))
-    y, rstd = cukern.rms_norm(x, 2048, w)
+    y, rstd = cukern.rms_norm(x, 2048, w, return_stats=True)
     assert isinstance(y, jax.Array) and y.dtype == x.dtype and rstd.dtype == jnp.float32
     xh = np.asarray(x.astype(jnp.float32)).astype(np.float64)
     wh = np.asarray(w.astype(jnp.float32)).astype(np.float64)
     ref = reference.rms_norm(xh, 2048, wh)
-    assert rel_err(np.asarray(y.astype(jnp.float32)).astype(np.float64), ref[0]) < TOL[dtype]
+    assert rel_err(np.asarray(y.astype(jnp.float32)).astype(np.float64), ref) < TOL[dtype]
     dy = jnp.asarray(rng.standard_normal((129, 2048)), dtype=x.dtype)
     dx, dw = cukern.rms_norm_backward(dy, x, rstd, w)
     assert isinstance(dx, jax.Array) and isinstance(dw, jax.Array)
@@ -1015,7 +1023,7 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match="eps=1e-40 underflows float32, the compute type "
                                              "of float16 data"):
             op(x.astype(cp.float16), 8, eps=1e-40)
-    assert bool(cp.isfinite(cukern.rms_norm(x.astype(cp.float64), 8, eps=1e-50)[0]).all())
+    assert bool(cp.isfinite(cukern.rms_norm(x.astype(cp.float64), 8, eps=1e-50)).all())
     with pytest.raises(ValueError, match="residual has shape"):
         cukern.layer_norm(x, 8, residual=cp.ones((4, 9), cp.float32))
     with pytest.raises(TypeError, match="residual has dtype"):

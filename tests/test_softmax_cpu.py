@@ -343,7 +343,7 @@ def test_reference_backward_matches_finite_differences(rng, log):
     dy = rng.standard_normal((3, 9))
     fwd = reference.log_softmax if log else reference.softmax
     bwd = reference.log_softmax_backward if log else reference.softmax_backward
-    dx = bwd(fwd(x), dy)
+    dx = bwd(dy, fwd(x))
     eps = 1e-6
     num = np.zeros_like(x)
     for idx in np.ndindex(x.shape):

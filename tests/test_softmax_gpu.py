@@ -44,14 +44,15 @@ def rel_err(out, ref) -> float:
 
 
 def inputs(op, shape, dtype, rng, axis=-1, scale=3.0):
-    """Host float64 copies (exactly representable in dtype) and device arrays of dtype."""
+    """Host float64 copies (exactly representable in dtype) and device arrays of dtype, in the
+    op's order (a backward's dy, then y)."""
     dt = np_dtype(dtype)
     x = (rng.standard_normal(shape) * scale).astype(dt)
     if op in BWD:
         fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
         x = fwd(x.astype(np.float64), axis=axis).astype(dt)
         dy = rng.standard_normal(shape).astype(dt)
-        return (x.astype(np.float64), dy.astype(np.float64)), (cp.asarray(x), cp.asarray(dy))
+        return (dy.astype(np.float64), x.astype(np.float64)), (cp.asarray(dy), cp.asarray(x))
     return (x.astype(np.float64),), (cp.asarray(x),)
 
 
@@ -194,8 +195,8 @@ def test_views_and_axes(op, dtype, rng):
             fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
             y_base = fwd(base.astype(np.float64), axis=-1).astype(dt)
             dy_base = rng.standard_normal(base.shape).astype(dt)
-            host = (view(y_base).astype(np.float64), view(dy_base).astype(np.float64))
-            dev = (view(cp.asarray(y_base)), view(cp.asarray(dy_base)))
+            host = (view(dy_base).astype(np.float64), view(y_base).astype(np.float64))
+            dev = (view(cp.asarray(dy_base)), view(cp.asarray(y_base)))
         else:
             host, dev = (host_x,), (dev_x,)
         check(op, host, dev, dtype, axis=axis)
@@ -211,6 +212,34 @@ def test_out_may_be_a_view(rng):
     out_t = cp.empty((300, 40), cp.float32).T
     cukern.log_softmax(cp.asarray(x), out=out_t)
     assert rel_err(out_t, reference.log_softmax(x.astype(np.float64))) < TOL["float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("log", [False, True])
+def test_backwards_take_dy_first(dtype, log, rng):
+    """softmax_backward(dy, y) and log_softmax_backward(dy, y): the gradient first, as every
+    cukern backward and PyTorch's _softmax_backward_data. The formulas are written out here
+    (the reference's order changed with the ops'); swapped arguments give other numbers."""
+    dt = np_dtype(dtype)
+    fn = cukern.log_softmax_backward if log else cukern.softmax_backward
+    for shape in [(9, 33), (5, 3000), (3, 20000)]:
+        y = (reference.log_softmax if log else reference.softmax)(
+            rng.standard_normal(shape) * 2).astype(dt)
+        dy = rng.standard_normal(shape).astype(dt)
+        y64, dy64 = y.astype(np.float64), dy.astype(np.float64)
+        if log:
+            want = dy64 - np.exp(y64) * dy64.sum(-1, keepdims=True)
+        else:
+            want = (dy64 - (dy64 * y64).sum(-1, keepdims=True)) * y64
+        dy_d, y_d = cp.asarray(dy), cp.asarray(y)
+        out = cp.full(shape, np.nan, dt)
+        assert fn(dy_d, y_d, -1, out=out) is out
+        assert rel_err(out, want) <= TOL[dtype], f"{dtype} {shape}"
+        fresh = fn(dy_d, y_d)
+        assert rel_err(fresh, want) <= TOL[dtype]
+        assert bool(cp.array_equal(fn(dy=dy_d, y=y_d), fresh, equal_nan=True))
+        swapped = cp.asnumpy(fn(y_d, dy_d)).astype(np.float64)  # may overflow: no rel_err
+        assert not np.allclose(swapped, want, rtol=0.1, atol=0.1 * np.abs(want).max())
 
 
 def test_empty_and_scalar():
@@ -236,7 +265,7 @@ def test_torch_round_trip(dtype, rng):
     ref = torch.softmax(t.double(), -1)
     assert float((y.double() - ref).norm() / ref.norm()) < TOL[dtype]
     dy = torch.randn_like(t)
-    dx = cukern.softmax_backward(y, dy)
+    dx = cukern.softmax_backward(dy, y)
     yd = y.double()
     ref_dx = (dy.double() - (dy.double() * yd).sum(-1, keepdim=True)) * yd
     assert float((dx.double() - ref_dx).norm() / ref_dx.norm()) < TOL[dtype]
@@ -303,9 +332,9 @@ def test_bad_input_is_named():
     with pytest.raises(TypeError, match="out has dtype float16"):
         cukern.softmax(x, out=cp.empty((4, 8), cp.float16))
     with pytest.raises(ValueError, match="dy has shape"):
-        cukern.softmax_backward(x, cp.ones((4, 9), cp.float32))
+        cukern.softmax_backward(cp.ones((4, 9), cp.float32), x)
     with pytest.raises(TypeError, match="dy has dtype"):
-        cukern.log_softmax_backward(x, cp.ones((4, 8), cp.float64))
+        cukern.log_softmax_backward(cp.ones((4, 8), cp.float64), x)
     with pytest.raises(ValueError, match="overlap"):
         cukern.softmax(x, out=cp.broadcast_to(cp.empty((1, 8), cp.float32), (4, 8)))
 

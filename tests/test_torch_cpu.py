@@ -48,8 +48,11 @@ def test_fakes_rowwise():
     assert mean.dtype == rstd.dtype == torch.float32
     y, rstd = torch.ops.cukern.rms_norm(meta(2, 3, 4, dtype=torch.float64), [4], None, 1e-5)
     assert rstd.shape == (2, 3) and rstd.dtype == torch.float64
-    dx, dw, db = torch.ops.cukern.layer_norm_backward(x, x, mean, rstd.new_empty(3), None)
+    dx, dw, db = torch.ops.cukern.layer_norm_backward(x, x, mean, rstd.new_empty(3), None, None)
     assert dx.shape == x.shape and dw.numel() == db.numel() == 0
+    b = meta(4, 5, dtype=torch.bfloat16)
+    dx, dw, db = torch.ops.cukern.layer_norm_backward(x, x, mean, mean, None, b)
+    assert dw.numel() == 0 and db.shape == (4, 5) and db.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="normalized_shape"):
         torch.ops.cukern.layer_norm(x, [5, 4], None, None, 1e-5)
     with pytest.raises(IndexError, match="dim 2"):
@@ -113,12 +116,12 @@ def lsm(x, axis=-1):
     return _fresh(torch.log_softmax(x.double(), axis).to(x.dtype))
 
 
-def sm_bwd(y, dy, axis=-1):
+def sm_bwd(dy, y, axis=-1):
     y, dy = y.double(), dy.double()
     return _fresh(((dy - (dy * y).sum(axis, keepdim=True)) * y).to(dy.dtype))
 
 
-def lsm_bwd(y, dy, axis=-1):
+def lsm_bwd(dy, y, axis=-1):
     yd, dd = y.double(), dy.double()
     return _fresh((dd - yd.exp() * dd.sum(axis, keepdim=True)).to(y.dtype))
 
@@ -136,16 +139,17 @@ def _norm(x, normalized_shape, weight, bias, eps, layer):
     return _fresh(y.to(x.dtype)), mean.reshape(lead).to(sdt), rstd.reshape(lead).to(sdt)
 
 
-def ln(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, return_stats=True):
-    return _norm(x, normalized_shape, weight, bias, eps, True)
+def ln(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, return_stats=False):
+    res = _norm(x, normalized_shape, weight, bias, eps, True)
+    return res if return_stats else res[0]
 
 
-def rms(x, normalized_shape, weight=None, eps=1e-6, *, return_stats=True):
+def rms(x, normalized_shape, weight=None, eps=1e-6, *, return_stats=False):
     y, _, rstd = _norm(x, normalized_shape, weight, None, eps, False)
-    return y, rstd
+    return (y, rstd) if return_stats else y
 
 
-def _norm_bwd(dy, x, mean, rstd, weight, layer):
+def _norm_bwd(dy, x, mean, rstd, weight, layer, bias=None):
     k = x.dim() - rstd.dim()
     dims, lead = tuple(range(-k, 0)), tuple(range(x.dim() - k))
     shape = list(rstd.shape) + [1] * k
@@ -158,12 +162,13 @@ def _norm_bwd(dy, x, mean, rstd, weight, layer):
     dw = db = None
     if weight is not None:
         dw = (dd * xhat).sum(lead).to(x.dtype)
+    if weight is not None or bias is not None:
         db = dd.sum(lead).to(x.dtype)
     return _fresh(dx.to(x.dtype)), dw, db
 
 
-def ln_bwd(dy, x, mean, rstd, weight=None):
-    return _norm_bwd(dy, x, mean, rstd, weight, True)
+def ln_bwd(dy, x, mean, rstd, weight=None, bias=None):
+    return _norm_bwd(dy, x, mean, rstd, weight, True, bias)
 
 
 def rms_bwd(dy, x, rstd, weight=None):
@@ -256,7 +261,7 @@ def stand_ins(monkeypatch):
     assert set(STAND_INS) == set(registry.OPS)
     for name, fn in STAND_INS.items():
         monkeypatch.setattr(cukern, name, fn)
-    monkeypatch.setattr(ct, "_cuda", lambda fn, t: contextlib.nullcontext())
+    monkeypatch.setattr(ct._base, "_cuda", lambda fn, t: contextlib.nullcontext())
 
 
 def _r(*shape, dtype=torch.float64, grad=True, channels_last=False):
@@ -272,7 +277,7 @@ def test_stand_ins_match_torch(stand_ins):
     rm, rv = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
     y = bn(x, rm.clone(), rv.clone(), w, b, True)[0]
     torch.testing.assert_close(y, F.batch_norm(x, rm, rv, w, b, True))
-    torch.testing.assert_close(ln(x, (3, 5))[0], F.layer_norm(x, (3, 5)))
+    torch.testing.assert_close(ln(x, (3, 5)), F.layer_norm(x, (3, 5)))
     mask = _pack(x)
     torch.testing.assert_close(_unpack(mask, x), (x > 0).double())
 
@@ -324,7 +329,7 @@ def test_batch_norm_running_stats_with_stand_ins(stand_ins):
 def _opcheck_cases():
     x, w, b = _r(3, 7), _r(7), _r(7)
     y = torch.softmax(x, -1).detach()
-    mean, rstd = ln(x.detach(), (7,))[1:]
+    mean, rstd = ln(x.detach(), (7,), return_stats=True)[1:]
     xc = _r(3, 4, 2, 3, channels_last=True)
     w4, b4, z = _r(4), _r(4), _r(3, 4, 2, 3, channels_last=True)
     y4, m4, i4, mask = bn(xc.detach(), None, None, w4.detach(), None, True, relu=True)
@@ -333,7 +338,9 @@ def _opcheck_cases():
         ("softmax", (x, 1)), ("log_softmax", (x, 0)),
         ("softmax_backward", (x.detach(), y, -1)), ("log_softmax_backward", (x.detach(), y, 1)),
         ("layer_norm", (x, [7], w, b, 1e-5)), ("layer_norm", (x, [3, 7], None, None, 1e-5)),
-        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, w.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, w.detach(), b.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, None, b.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, None, None)),
         ("rms_norm", (x, [7], w, 1e-6)),
         ("rms_norm_backward", (x.detach(), x.detach(), rstd, None)),
         ("batch_norm", (xc, rm, rv, w4, b4, z, True, 0.1, 1e-5, True)),

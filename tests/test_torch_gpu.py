@@ -168,6 +168,29 @@ def test_norms_like_torch(dtype, norm):
 
 
 @pytest.mark.parametrize("dtype", list(DT))
+def test_bias_only_layer_norm_gives_bias_grad(dtype):
+    """A layer norm with a bias and no weight: bias.grad comes from cukern's backward op
+    (torch.ops.cukern.layer_norm_backward's dbias), like PyTorch's."""
+    dt = DT[dtype]
+    x = randn(64, 3, 96, dtype=dt, scale=2, shift=0.5)
+    b = randn(3, 96, dtype=dt)
+    dy = randn(64, 3, 96, dtype=dt, grad=False)
+    xd, bd = (t.detach().double().requires_grad_() for t in (x, b))
+    ours = ct.layer_norm(x, (3, 96), None, b)
+    theirs, ref = F.layer_norm(x, (3, 96), None, b), F.layer_norm(xd, (3, 96), None, bd)
+    check_like_torch("y", ours, theirs, ref, dt)
+    for name, g_ours, g_theirs, g_ref in zip(
+            ("dx", "dbias"), grads(ours, (x, b), dy), grads(theirs, (x, b), dy),
+            grads(ref, (xd, bd), dy.double())):
+        assert g_ours.dtype == dt and g_ours.shape == g_ref.shape
+        check_like_torch(f"bias-only layer_norm {name}", g_ours, g_theirs, g_ref, dt)
+    _, mean, rstd = torch.ops.cukern.layer_norm(x.detach(), [3, 96], None, b.detach(), 1e-5)
+    _, dw, db = torch.ops.cukern.layer_norm_backward(dy, x.detach(), mean, rstd, None,
+                                                     b.detach())
+    assert dw.numel() == 0 and db.shape == (3, 96)
+
+
+@pytest.mark.parametrize("dtype", list(DT))
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm_relu_like_torch(dtype, channels_last, training):
@@ -360,6 +383,8 @@ def _opcheck_cases():
         ("softmax_backward", (x.detach(), y, -1)), ("log_softmax_backward", (x.detach(), y, 1)),
         ("layer_norm", (x, [7], w, b, 1e-5)), ("layer_norm", (x, [3, 7], None, None, 1e-5)),
         ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, w.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, w.detach(), b.detach())),
+        ("layer_norm_backward", (x.detach(), x.detach(), mean, rstd, None, b.detach())),
         ("rms_norm", (x, [7], w, 1e-6)),
         ("rms_norm_backward", (x.detach(), x.detach(), rms_rstd, None)),
         ("batch_norm", (xc, rm, rv, w4, b4, z, True, 0.1, 1e-5, True)),

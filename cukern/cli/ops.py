@@ -131,15 +131,15 @@ def _summary(quiet: bool, what: str, paths, meter: Meter) -> None:
               help="The axis to normalise over.")
 @click.option("--log", is_flag=True, help="log-softmax instead of softmax.")
 @click.option("--grad", metavar="DY.npy",
-              help="Backward pass: IN is the saved output y, DY the gradient with respect to "
-                   "it; writes dx.")
+              help="Backward pass: DY is the gradient with respect to the output, IN the "
+                   "saved output y; writes dx.")
 def softmax_cmd(input, output, dtype, device, chunk_rows, overwrite, quiet, workers, scheduler,
                 axis, log, grad):
     """Softmax of IN along an axis, written to OUT.npy.
 
     \b
     y = exp(x - max(x)) / sum(exp(x - max(x)))       (--log: log of that)
-    With --grad DY.npy, the backward pass: IN is y, the saved output, and
+    With --grad DY.npy, the backward pass from dy (DY) and the saved output y (IN):
     dx = (dy - sum(dy * y)) * y                      (--log: dx = dy - exp(y) * sum(dy))
 
     Any axis of any shape; chunks hold whole rows. Softmax over the first axis is
@@ -149,11 +149,10 @@ def softmax_cmd(input, output, dtype, device, chunk_rows, overwrite, quiet, work
     op = ("log_softmax" if log else "softmax") + ("" if grad is None else "_backward")
     x = _open(input)
     arrays, specs = [x], [input]
-    if grad is not None:
+    if grad is not None:  # the op's order: dy, then y
         dy = _open(grad, "--grad")
         _same_shape("--grad", grad, dy, "IN", x)
-        arrays.append(dy)
-        specs.append(grad)
+        arrays, specs = [dy, x], [grad, input]
     if x.ndim == 0:
         raise InputError(f"{input} is a 0-d array; softmax needs at least one axis")
     if not -x.ndim <= axis < x.ndim:
@@ -214,10 +213,11 @@ def _norm_options(bias: bool, eps: float):
                          help="Forward: also write the per-row statistics here. Backward: "
                               "read them from here (else they are recomputed from IN)."),
             click.option("--grad", metavar="DY.npy",
-                         help="Backward pass: IN is the forward input x, DY the gradient "
-                              "with respect to the output; writes dx."),
+                         help="Backward pass: DY is the gradient with respect to the output, "
+                              "IN the forward input x; writes dx."),
             click.option("--param-grads", metavar="GRADS.npz",
-                         help="Backward pass: also write the weight's (and bias's) gradient, "
+                         help="Backward pass: also write the gradients of the parameters "
+                              "given (dweight with --weight; dbias with --weight or --bias), "
                               "summed over all rows."),
         ]
         for d in reversed(opts):
@@ -237,9 +237,10 @@ def layer_norm_cmd(**kw):
     \b
     y = (x - mean) * rstd * weight + bias,   rstd = 1 / sqrt(var + eps)
     --stats STATS.npz keeps mean and rstd per row (arrays "mean", "rstd").
-    With --grad DY.npy, the backward pass: IN is x, and
+    With --grad DY.npy, the backward pass from dy (DY) and the input x (IN):
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * weight,
-    --param-grads GRADS.npz writes "dweight" = sum(dy * xhat), "dbias" = sum(dy).
+    --param-grads GRADS.npz writes "dweight" = sum(dy * xhat) (with --weight),
+    "dbias" = sum(dy) (with --weight or --bias).
     """
     _norm("layer_norm", **kw)
 
@@ -254,7 +255,7 @@ def rms_norm_cmd(**kw):
     \b
     y = x * rstd * weight,   rstd = 1 / sqrt(mean(x^2) + eps)
     --stats STATS.npz keeps rstd per row (array "rstd").
-    With --grad DY.npy, the backward pass: IN is x, and
+    With --grad DY.npy, the backward pass from dy (DY) and the input x (IN):
     dx = rstd * (g - xhat * mean(g * xhat)),  g = dy * weight,  xhat = x * rstd;
     --param-grads GRADS.npz writes "dweight" = sum(dy * xhat).
     """
@@ -284,9 +285,12 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
     backward = grad is not None
     if not backward and param_grads:
         raise InputError("--param-grads needs --grad DY.npy: it is part of the backward pass")
-    if param_grads and w is None:
-        raise InputError("--param-grads needs --weight: the gradients are the weight's "
-                         "(and the bias's)")
+    # the gradients of the parameters given: dweight with --weight, dbias with either
+    grad_names = [n for n, on in (("dweight", w is not None),
+                                  ("dbias", layer and (w is not None or b is not None))) if on]
+    if param_grads and not grad_names:
+        raise InputError("--param-grads needs --weight" + (" or --bias" if layer else "") +
+                         ": the gradients are the parameters'")
     work = _work_dtype(dtype, x.dtype)
     _check_eps(op, eps, work)
     stat_dtype = np.dtype(np.float64 if work == np.float64 else np.float32)
@@ -297,12 +301,12 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
 
     out = _output_path(output, "-o", ".npy")
     targets = {"-o": (out, _io.npy_bytes(x.shape, work))}
-    arrays = [x]
+    arrays, array_specs = [x], [input]
     saved: list[np.ndarray] = []
-    if backward:
+    if backward:  # the op's order: dy, then x (then the statistics)
         dy = _open(grad, "--grad")
         _same_shape("--grad", grad, dy, "IN", x)
-        arrays.append(dy)
+        arrays, array_specs = [dy, x], [grad, input]
         specs.append(grad)
         if stats:
             if _spec_path(stats).suffix != ".npz":
@@ -340,26 +344,29 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
 
     def fn(*tiles):
         rows = tiles[0].shape[0]
-        xt = cast(tiles[0]).reshape(rows, m)
         if not backward:
-            res = fwd(xt, (m,), wd, bd, eps) if layer else fwd(xt, (m,), wd, eps)
+            xt = cast(tiles[0]).reshape(rows, m)
+            res = fwd(xt, (m,), wd, bd, eps, return_stats=True) if layer else \
+                fwd(xt, (m,), wd, eps, return_stats=True)
             return tuple(res[:1 + len(stat_names) * want_stats])
-        dyt = cast(tiles[1]).reshape(rows, m)
+        dyt, xt = (cast(t).reshape(rows, m) for t in tiles[:2])
         if n_saved:
             st = [t.reshape(rows).astype(stat_dtype, copy=False) for t in tiles[2:]]
         else:
-            res = fwd(xt, (m,), None, None, eps) if layer else fwd(xt, (m,), None, eps)
+            res = fwd(xt, (m,), None, None, eps, return_stats=True) if layer else \
+                fwd(xt, (m,), None, eps, return_stats=True)
             st = [t.astype(stat_dtype, copy=False) for t in res[1:]]  # as if saved
-        res = bwd(dyt, xt, *st, wd)
+        res = bwd(dyt, xt, *st, wd, bd) if layer else bwd(dyt, xt, *st, wd)
         dx = res[0].astype(work) if dev == "cpu" else res[0]
-        return (dx,) + tuple(res[1:1 + (2 if layer else 1)] if want_grads else ())
+        if not want_grads:
+            return (dx,)
+        return (dx,) + tuple(g for n, g in zip(("dweight", "dbias"), res[1:]) if n in grad_names)
 
     results = [Result("y", m, work)]
     if want_stats:
         results += [Result(n, 1, stat_dtype) for n in stat_names]
     if want_grads:
-        results += [Result(n, m, work, summed=True)
-                    for n in (("dweight", "dbias") if layer else ("dweight",))]
+        results += [Result(n, m, work, summed=True) for n in grad_names]
     label = command + (" backward" if backward else "")
 
     with _io.Outputs() as outs:
@@ -369,8 +376,8 @@ def _norm(op, input, output, dtype, device, chunk_rows, overwrite, quiet, worker
         if want_stats:
             scratch = [outs.scratch(Path(stats), lead, stat_dtype) for _ in stat_names]
             sinks += [as_rows(s, p, 1, 1) for s in scratch]
-        sinks += [None] * want_grads * (2 if layer else 1)
-        inputs = [as_rows(_io.c_order(a, s), p, m, 1) for a, s in zip(arrays, specs)]
+        sinks += [None] * want_grads * len(grad_names)
+        inputs = [as_rows(_io.c_order(a, s), p, m, 1) for a, s in zip(arrays, array_specs)]
         inputs += [as_rows(_io.c_order(s, "--stats"), p, 1, 1) for s in saved]
         sums, meter = _execute(fn, inputs, results, sinks, device=dev, chunk_rows=chunk_rows,
                                work=work, quiet=quiet, label=label, workers=workers,

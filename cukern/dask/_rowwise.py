@@ -40,14 +40,16 @@ def log_softmax(x, axis: int = -1):
     return _rowwise("log_softmax", (x,), ("x",), axis)
 
 
-def softmax_backward(y, dy, axis: int = -1):
-    """:func:`cukern.softmax_backward` over Dask arrays: ``dx = (dy - sum(dy * y)) * y``.
-    ``dy`` is rechunked to ``y``'s chunks where they differ (with a warning)."""
+def softmax_backward(dy, y, axis: int = -1):
+    """:func:`cukern.softmax_backward` over Dask arrays (the gradient ``dy`` first): ``dx =
+    (dy - sum(dy * y)) * y``. ``dy`` is rechunked to ``y``'s chunks where they differ (with a
+    warning)."""
     return _rowwise("softmax_backward", (y, dy), ("y", "dy"), axis)
 
 
-def log_softmax_backward(y, dy, axis: int = -1):
-    """:func:`cukern.log_softmax_backward` over Dask arrays: ``dx = dy - exp(y) * sum(dy)``."""
+def log_softmax_backward(dy, y, axis: int = -1):
+    """:func:`cukern.log_softmax_backward` over Dask arrays: ``dx = dy - exp(y) * sum(dy)``;
+    as :func:`softmax_backward`."""
     return _rowwise("log_softmax_backward", (y, dy), ("y", "dy"), axis)
 
 
@@ -71,6 +73,8 @@ def _rowwise(op: str, arrays, names, axis) -> da.Array:
 
 
 def _rowwise_block(*blocks, op: str, axis: int):
+    if len(blocks) == 2:  # a backward's (y, dy): y sets the chunks, the ops take dy first
+        blocks = blocks[::-1]
     if B.is_cupy(blocks[0]):
         import cukern
 
@@ -84,15 +88,15 @@ def _rowwise_block(*blocks, op: str, axis: int):
 # Layer norm and RMS norm, forward.
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
-               residual=None, return_stats: bool = True):
+               residual=None, return_stats: bool = False):
     """:func:`cukern.layer_norm` of a Dask array, block by block (same arguments, results and
     dtypes): ``y = (x - mean) * rstd * weight + bias`` over the trailing ``normalized_shape``.
 
     The trailing dimensions must lie whole in each block (rechunked along them only, with a
     :class:`~cukern.dask.PerformanceWarning`, where they are split). ``weight``, ``bias``:
     NumPy, CuPy or one-chunk Dask arrays of x's dtype (moved to each block's kind).
-    ``residual``: a Dask array like x. Returns lazy Dask arrays: ``(y, mean, rstd)``, ``(y,
-    mean, rstd, h)`` with a residual, ``y`` (or ``(y, h)``) with ``return_stats=False``;
+    ``residual``: a Dask array like x. Returns lazy Dask arrays: ``y`` (``(y, h)`` with a
+    residual); with ``return_stats=True``, ``(y, mean, rstd)`` (``(y, mean, rstd, h)``),
     ``mean`` and ``rstd`` of shape ``x.shape[:-k]``, float32 (float64 for float64 x). Compute
     them together (``dask.compute(y, mean, rstd)``) so that each block runs once."""
     return _forward("layer_norm", x, normalized_shape, weight, bias, eps, residual,
@@ -100,9 +104,10 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
 
 
 def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6, *, residual=None,
-             return_stats: bool = True):
+             return_stats: bool = False):
     """:func:`cukern.rms_norm` of a Dask array: as :func:`layer_norm` without bias and mean;
-    returns ``(y, rstd)``, ``(y, rstd, h)``, ``y`` or ``(y, h)``."""
+    returns ``y`` or ``(y, h)``, and ``(y, rstd)`` or ``(y, rstd, h)`` with
+    ``return_stats=True``."""
     return _forward("rms_norm", x, normalized_shape, weight, None, eps, residual, return_stats)
 
 
@@ -179,24 +184,25 @@ def _norm_block(x, *rest, op: str, ns, eps: float, stats: bool, dask_params, lit
 # Backward: dx per block; dweight (and dbias) as float32 partial sums per block, added up in a
 # tree (float32; float64 for float64 data) and cast to x's dtype at the end.
 
-def layer_norm_backward(dy, x, mean, rstd, weight=None):
+def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None):
     """:func:`cukern.layer_norm_backward` over Dask arrays: ``dx`` block by block; ``dweight``
     and ``dbias`` from float32 partial sums of each block (float64 for float64 x), added up
     by a tree reduction (:data:`SPLIT_EVERY` blocks a node) and cast to x's dtype at the end.
 
     ``mean``, ``rstd``: what :func:`layer_norm` returned (Dask, NumPy or CuPy arrays of shape
-    ``x.shape[:-k]``; rechunked to x's leading chunks). Returns lazy ``(dx, dweight, dbias)``;
-    ``dweight`` and ``dbias`` are None without a weight."""
-    return _backward("layer_norm_backward", dy, x, mean, rstd, weight)
+    ``x.shape[:-k]``; rechunked to x's leading chunks). ``bias``: the forward's bias or None,
+    checked like ``weight``. Returns lazy ``(dx, dweight, dbias)``; ``dweight`` is None without
+    a weight, ``dbias`` None without a weight or a bias."""
+    return _backward("layer_norm_backward", dy, x, mean, rstd, weight, bias)
 
 
 def rms_norm_backward(dy, x, rstd, weight=None):
     """:func:`cukern.rms_norm_backward` over Dask arrays; as :func:`layer_norm_backward`
     without mean and dbias. Returns lazy ``(dx, dweight)``."""
-    return _backward("rms_norm_backward", dy, x, None, rstd, weight)
+    return _backward("rms_norm_backward", dy, x, None, rstd, weight, None)
 
 
-def _backward(op, dy, x, mean, rstd, weight):
+def _backward(op, dy, x, mean, rstd, weight, bias):
     layer = op == "layer_norm_backward"
     x = B.as_dask(op, "x", x)
     dtype = B.float_dtype(op, "x", x)
@@ -225,6 +231,7 @@ def _backward(op, dy, x, mean, rstd, weight):
     k = len(ns)
     nd, lead = x.ndim, x.ndim - k
     w = _param(op, "weight", weight, x, ns)
+    b = _param(op, "bias", bias, x, ns)
     for n, s in stats:
         if tuple(s.shape) != tuple(x.shape[:lead]):
             raise ValueError(f"{op}: {n} has shape {tuple(s.shape)}, expected "
@@ -237,16 +244,16 @@ def _backward(op, dy, x, mean, rstd, weight):
     ind = tuple(range(nd))
     args = [dy, ind, x, ind]
     params = B.with_params(args, {n: B.param(op, n, s, x.chunks[:lead]) for n, s in stats}
-                           | {"w": w}, {"mean": ind[:lead], "rstd": ind[:lead],
-                                        "w": ind[lead:]})
+                           | {"w": w, "b": b}, {"mean": ind[:lead], "rstd": ind[:lead],
+                                                "w": ind[lead:], "b": ind[lead:]})
     packed = da.blockwise(_norm_backward_block, ind, *args, op=op, k=k, dtype=x.dtype,
                           meta=x._meta, name=B.fresh_name(op), **params)
     dx = B.output(packed, 0, x.dtype)
-    if w is None:
+    if w is None and b is None:
         return (dx, None, None) if layer else (dx, None)
     # dweight and dbias in one tree: each node adds up its blocks' partial sums, both at once;
     # a leaf task a block keeps them (not dx) on the block's worker, so only they travel
-    fields = (1, 2) if layer else (1,)
+    fields = ((1, 2) if w is not None else (2,)) if layer else (1,)
     leaves = [(packed.name, *idx) for idx in np.ndindex(*packed.numblocks)]
     graph, (root,) = B.tree(packed.name, [leaves], _add_partials, (sdt,), SPLIT_EVERY,
                             packed, leaf=functools.partial(_partials, fields=fields))
@@ -256,6 +263,8 @@ def _backward(op, dy, x, mean, rstd, weight):
         dsk = {(name, *(0,) * k): (_cast_pick, root, j, x.dtype)}
         grads.append(B.from_tasks(name, dsk, (graph, root[0]), tuple((n,) for n in ns),
                                   x.dtype, x, k))
+    if layer and w is None:  # bias alone: dbias
+        return dx, None, grads[0]
     return (dx, *grads)
 
 
@@ -282,7 +291,9 @@ def _cast_pick(sums: tuple, j: int, dtype):
 def _norm_backward_block(dy, x, *rest, op: str, k: int, dask_params, literals):
     layer = op == "layer_norm_backward"
     _, p = B.take_params(rest, dask_params, literals, x)
-    w = p.get("w")
+    w, b = p.get("w"), p.get("b")
+    has = (w is not None, b is not None)
+    params = (w, b) if layer else (w,)
     rest = [p["mean"], p["rstd"]] if layer else [p["rstd"]]
     sdt = B.stat_dtype(x.dtype)
     dy = B.like(dy, x)
@@ -291,9 +302,10 @@ def _norm_backward_block(dy, x, *rest, op: str, k: int, dask_params, literals):
 
         from ..ops import layer_norm as ln
 
-        if w is not None and x.dtype.itemsize == 2:  # float32 sums, not rounded to x's dtype
-            return ln.backward_param_sums(op, dy, x, rest[0] if layer else None, rest[-1], w)
-        return tuple(getattr(cukern, op)(dy, x, *rest, w))
-    res = getattr(reference, op)(dy, x, *rest, w)
+        if any(has) and x.dtype.itemsize == 2:  # float32 sums, not rounded to x's dtype
+            return ln.backward_param_sums(op, dy, x, rest[0] if layer else None, rest[-1],
+                                          *params)
+        return tuple(getattr(cukern, op)(dy, x, *rest, *params))
+    res = getattr(reference, op)(dy, x, *rest, *params)
     return (res[0].astype(x.dtype),) + tuple(
         None if g is None else g.astype(sdt) for g in res[1:])

@@ -255,10 +255,10 @@ class _Stat:
 
 def _norm(op):
     def rec(x, normalized_shape, weight=None, bias=None, eps=1e-5 if op == "layer_norm"
-            else 1e-6, *, residual=None, return_stats=True):
+            else 1e-6, *, residual=None, return_stats=False, out=None):
         if op == "rms_norm" and bias is not None:  # rms_norm(x, ns, weight, eps)
             eps, bias = bias, None
-        _no(op, residual=residual)
+        _no(op, residual=residual, out=out)
         ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         if len(ns) != 1 or ns[0] != x.shape[-1]:
             _fail(f"{op}: a traced norm runs over the last axis only (normalized_shape "

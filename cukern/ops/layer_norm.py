@@ -10,6 +10,12 @@ import numpy as np
 from .. import plan as _plan
 from .. import registry
 from .. import runner as c
+from ._norm_args import check_out_overlap as _check_out_overlap
+from ._norm_args import check_stat as _check_stat
+from ._norm_args import normalized_shape as _normalized_shape
+from ._norm_args import param as _param
+from ._norm_args import rows_view as _rows_view
+from ._norm_args import stat_dtype as _stat_dtype
 
 __all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
@@ -33,7 +39,7 @@ def _sig(a):
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
-               residual=None, return_stats: bool = True):
+               residual=None, return_stats: bool = False, out=None):
     """Layer normalisation over the trailing dimensions ``normalized_shape`` of ``x``.
 
     For each row (the ``n = prod(normalized_shape)`` trailing values at one index of the leading
@@ -63,12 +69,19 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
         (rounded to ``x``'s dtype, as a separate add would) and also returns ``h``: one read of
         each input and one write of each output, the "add then norm" of a transformer block.
     return_stats : bool
-        Whether to return ``mean`` and ``rstd`` (what :func:`layer_norm_backward` needs).
+        Whether to return ``mean`` and ``rstd`` too (what :func:`layer_norm_backward` needs);
+        default False, as ``torch.nn.functional.layer_norm`` returns ``y`` alone.
+    out : array, optional
+        Where to write ``y``: same shape, dtype and device as ``x``, any strides (rows of any
+        stride are written in place; other layouts through a temporary). It may be ``x``
+        itself (in place); any other overlap with ``x``, ``residual``, ``weight`` or ``bias``
+        is refused. A PyTorch ``out`` is safe to read on the caller's stream after the call; a
+        JAX array cannot be written (TypeError).
 
     Returns
     -------
-    ``(y, mean, rstd)``; ``(y, mean, rstd, h)`` with a residual; ``y`` alone with
-    ``return_stats=False``, ``(y, h)`` with a residual. ``y`` and ``h`` have ``x``'s shape and
+    ``y``; ``(y, h)`` with a residual; with ``return_stats=True``, ``(y, mean, rstd)`` and
+    ``(y, mean, rstd, h)``. ``y`` (``out`` itself when given) and ``h`` have ``x``'s shape and
     dtype; ``mean`` and ``rstd`` have shape ``x.shape[:-k]`` and dtype float32 (float64 for
     float64 input), the statistics of ``h`` when there is a residual. Results are of the same
     kind as ``x`` (CuPy in, CuPy out; PyTorch and JAX arrays come back as their own kind,
@@ -81,24 +94,26 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
     other layouts are copied first. An empty normalised shape product gives NaN statistics;
     one past ``cukern.plan.MAX_COLS`` (2^31 - 4096) values is refused with a ValueError.
     """
-    return _forward("layer_norm", x, normalized_shape, weight, bias, eps, residual, return_stats)
+    return _forward("layer_norm", x, normalized_shape, weight, bias, eps, residual, return_stats,
+                    out)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6, *, residual=None,
-             return_stats: bool = True):
+             return_stats: bool = False, out=None):
     """RMS normalisation over the trailing dimensions ``normalized_shape`` of ``x``::
 
         rstd = 1 / sqrt(sum(x**2) / n + eps)
         y    = x * rstd * weight
 
-    Same arguments, dtypes, layouts and return kinds as :func:`layer_norm`, with no bias and no
-    mean: returns ``(y, rstd)``; ``(y, rstd, h)`` with a residual; ``y`` with
-    ``return_stats=False``, ``(y, h)`` with a residual.
+    Same arguments (``out=`` included), dtypes, layouts and return kinds as
+    :func:`layer_norm`, with no bias and no mean: returns ``y``; ``(y, h)`` with a residual;
+    with ``return_stats=True``, ``(y, rstd)`` and ``(y, rstd, h)``.
     """
-    return _forward("rms_norm", x, normalized_shape, weight, None, eps, residual, return_stats)
+    return _forward("rms_norm", x, normalized_shape, weight, None, eps, residual, return_stats,
+                    out)
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight=None):
+def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None):
     """Gradients of :func:`layer_norm`, given the gradient ``dy`` of its output ``y``.
 
     With ``xhat = (x - mean) * rstd`` and ``g = dy * weight`` (``dy`` without a weight), per row
@@ -120,15 +135,17 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     weight : array, optional
         The forward's weight; its shape is ``normalized_shape``. Without it, ``k`` is
         ``x.ndim - mean.ndim``.
+    bias : array, optional
+        The forward's bias (or None): only whether it is given matters, and it is checked like
+        ``weight`` (shape ``normalized_shape``, ``x``'s dtype and device).
 
     Returns
     -------
-    ``(dx, dweight, dbias)``: ``dx`` like ``x``; ``dweight`` and ``dbias`` of shape
-    ``normalized_shape`` and ``x``'s dtype, or both None when ``weight`` is None (the forward
-    had no parameters to differentiate; with a bias but no weight, ``dbias`` is ``dy`` summed
-    over the leading dimensions).
+    ``(dx, dweight, dbias)``: ``dx`` like ``x``; ``dweight`` (None unless ``weight`` is given)
+    and ``dbias`` (None unless ``weight`` or ``bias`` is given) of shape ``normalized_shape``
+    and ``x``'s dtype.
     """
-    return _backward("layer_norm_backward", dy, x, mean, rstd, weight)
+    return _backward("layer_norm_backward", dy, x, mean, rstd, weight, bias)
 
 
 def rms_norm_backward(dy, x, rstd, weight=None):
@@ -142,79 +159,7 @@ def rms_norm_backward(dy, x, rstd, weight=None):
     Arguments as for :func:`layer_norm_backward` without ``mean``. Returns ``(dx, dweight)``;
     ``dweight`` is None when ``weight`` is None.
     """
-    return _backward("rms_norm_backward", dy, x, None, rstd, weight)
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation.
-
-def _normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
-    ns = normalized_shape
-    if isinstance(ns, (bool, np.bool_)):
-        raise TypeError(f"{fn}: normalized_shape must be an int or a tuple of ints, got bool")
-    if isinstance(ns, (int, np.integer)):
-        ns = (int(ns),)
-    elif isinstance(ns, (tuple, list)) and all(
-            isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in ns):
-        ns = tuple(int(n) for n in ns)
-    else:
-        raise TypeError(f"{fn}: normalized_shape must be an int or a tuple of ints, got "
-                        f"{normalized_shape!r}")
-    if not ns:
-        raise ValueError(f"{fn}: normalized_shape is empty; name at least one trailing dimension")
-    if len(ns) > x.ndim or tuple(x.shape[x.ndim - len(ns):]) != ns:
-        raise ValueError(f"{fn}: normalized_shape {ns} does not match the trailing dimensions of "
-                         f"x, whose shape is {tuple(x.shape)}")
-    return ns
-
-
-def _param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
-    """A weight or bias: shape ``ns`` (any non-empty shape when ns is None), x's dtype and
-    device; returned contiguous."""
-    a = c.adapt(fn, name, p).array
-    if ns is not None and tuple(a.shape) != ns:
-        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {ns} "
-                         f"(normalized_shape)")
-    if a.dtype != x.dtype:
-        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {x.dtype} (the dtype of x)")
-    if a.data.device_id != x.data.device_id:
-        raise ValueError(f"{fn}: {name} is on GPU {a.data.device_id} but x is on GPU "
-                         f"{x.data.device_id}")
-    return a if a.flags.c_contiguous else _contiguous(a)
-
-
-def _contiguous(a):
-    """A C-contiguous copy of ``a``, made on ``a``'s GPU."""
-    with c.on_device(a.data.device_id):
-        return c.cp.ascontiguousarray(a)
-
-
-def _stat_dtype(dtype: str):
-    return np.float64 if dtype == "float64" else np.float32
-
-
-def _check_stat(fn: str, name: str, s, x, expected: tuple[int, ...], dtype: str):
-    if tuple(s.shape) != expected:
-        raise ValueError(f"{fn}: {name} has shape {tuple(s.shape)}, expected {expected} (the "
-                         f"leading dimensions of x, whose shape is {tuple(x.shape)})")
-    want = np.dtype(_stat_dtype(dtype))
-    if s.dtype != want:
-        raise TypeError(f"{fn}: {name} has dtype {s.dtype}, expected {want} (the statistics "
-                        f"dtype for {dtype} input)")
-    if s.data.device_id != x.data.device_id:
-        raise ValueError(f"{fn}: {name} is on GPU {s.data.device_id} but x is on GPU "
-                         f"{x.data.device_id}")
-    return s if s.flags.c_contiguous else _contiguous(s)
-
-
-def _rows_view(a, k: int):
-    """(array, row_stride): ``a`` itself when its trailing k dims are one contiguous run and its
-    leading dims one stride, else a contiguous copy."""
-    view = c.trailing_layout(a, k)
-    if view is None:
-        a = c.cp.ascontiguousarray(a)
-        view = c.trailing_layout(a, k)
-    return a, view.s_outer
+    return _backward("rms_norm_backward", dy, x, None, rstd, weight, None)
 
 
 class _Launches:
@@ -258,8 +203,8 @@ def _fresh_key(op: str, args: tuple, extra: tuple):
     return key
 
 
-def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats):
-    if residual is None and type(x) is c.cp.ndarray:
+def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats, out):
+    if residual is None and out is None and type(x) is c.cp.ndarray:
         key = _fresh_key(op, (x, weight, bias),
                          (_typed(normalized_shape), _typed(eps), _typed(return_stats)))
         hit = _fresh.get(key) if key is not None else None
@@ -278,12 +223,12 @@ def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_s
     else:
         key = None
     return _forward_checked(op, x, normalized_shape, weight, bias, eps, residual, return_stats,
-                            key)
+                            out, key)
 
 
 @c.capture_safe
 def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats,
-                     fresh_key):
+                     out, fresh_key):
     ax = c.adapt(op, "x", x)
     xa = ax.array
     dtype = c.dtype_name(op, "x", xa)
@@ -306,26 +251,38 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
     sdt = _stat_dtype(dtype)
     dev = xa.data.device_id
     with c.on_device(dev):
-        y = c.cp.empty(xa.shape, xa.dtype)
+        if out is None:
+            y = c.cp.empty(xa.shape, xa.dtype)
+        else:
+            y = c.output(op, ax, out)
+            _check_out_overlap(op, y, xa, r, w, b)
         h = c.cp.empty(xa.shape, xa.dtype) if r is not None else None
         mean = c.cp.empty(lead, sdt) if return_stats and layer else None
         rstd = c.cp.empty(lead, sdt) if return_stats else None
         if rows and cols:
             xv, sx = _rows_view(xa, k)
             rv, sr = _rows_view(r, k) if r is not None else (None, 0)
+            yv = y
+            view = c.trailing_layout(y, k)
+            if view is None:  # an out= whose trailing dims are not one run: via a temporary
+                yv = c.cp.empty(xa.shape, xa.dtype)
+                view = c.trailing_layout(yv, k)
+            sy = view.s_outer
             sw = _plan.Switches(w is not None, b is not None, r is not None)
-            arrays = (xv, rv, w, b, y, h)
-            key = (op, dev, dtype, xa.shape, k, sx, sr, sw, c.pointer_bits(arrays))
+            arrays = (xv, rv, w, b, yv, h)
+            key = (op, dev, dtype, xa.shape, k, sx, sr, sy, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
             if launch is None:
                 plan = c.plan_for(op, dtype, dev, rows, cols,
                                   [a.data.ptr for a in arrays if a is not None],
-                                  [sx] + ([sr] if rv is not None else []), switches=sw)
+                                  [sx, sy] + ([sr] if rv is not None else []), switches=sw)
                 tail = (np.int64(rows), np.int32(cols), np.int64(sx), np.int64(sr),
-                        np.int64(cols), np.int64(cols))
+                        np.int64(sy), np.int64(cols))
                 launch = _launches[key] = _Launches(c.Launch(plan, dev, tail))
-            launch.main(xv, _arg(rv), _arg(w), _arg(b), y, _arg(h), _arg(mean), _arg(rstd),
+            launch.main(xv, _arg(rv), _arg(w), _arg(b), yv, _arg(h), _arg(mean), _arg(rstd),
                         sdt(eps))
+            if yv is not y:
+                y[...] = yv
             _last[op] = launch.main.plan
             if fresh_key is not None and xv is xa and w is weight and b is bias:  # no copies
                 _fresh[fresh_key] = (launch, lead, sdt, sdt(eps))
@@ -333,11 +290,12 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
             rstd.fill(np.nan)
             if mean is not None:
                 mean.fill(np.nan)
+        yr = ax.wrap(y) if out is None else c.handed_back(out, y)
     wrap = ax.wrap
     if not return_stats:
-        return (wrap(y), wrap(h)) if h is not None else wrap(y)
-    out = (wrap(y), wrap(mean), wrap(rstd)) if layer else (wrap(y), wrap(rstd))
-    return out + (wrap(h),) if h is not None else out
+        return (yr, wrap(h)) if h is not None else yr
+    res = (yr, wrap(mean), wrap(rstd)) if layer else (yr, wrap(rstd))
+    return res + (wrap(h),) if h is not None else res
 
 
 def _arg(a):
@@ -347,10 +305,10 @@ def _arg(a):
 # ---------------------------------------------------------------------------------------------
 # Backward.
 
-def _backward(op: str, dy, x, mean, rstd, weight):
+def _backward(op: str, dy, x, mean, rstd, weight, bias):
     key = None
-    if type(x) is c.cp.ndarray:
-        key = _fresh_key(op, (dy, x, mean, rstd, weight), ())
+    if type(x) is c.cp.ndarray and (bias is None or weight is not None):
+        key = _fresh_key(op, (dy, x, mean, rstd, weight, bias), ())
         hit = _fresh.get(key) if key is not None else None
         if hit is not None and x.data.device_id == _get_device():
             launch, ns = hit[0], hit[1]
@@ -362,7 +320,7 @@ def _backward(op: str, dy, x, mean, rstd, weight):
                 db = c.cp.empty(ns, x.dtype) if layer else None
             _launch_backward(launch, layer, dy, x, mean, rstd, weight, dx, dw, db)
             return (dx, dw, db) if layer else (dx, dw)
-    return _backward_checked(op, dy, x, mean, rstd, weight, key)
+    return _backward_checked(op, dy, x, mean, rstd, weight, bias, key)
 
 
 def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
@@ -386,15 +344,15 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
         launch.reduce(partial, dw, _arg(db))
 
 
-def backward_param_sums(op: str, dy, x, mean, rstd, weight):
+def backward_param_sums(op: str, dy, x, mean, rstd, weight, bias=None):
     """``op``'s backward (``mean`` None for RMS norm) with dweight and dbias left as the
     kernels' float32 column sums (float64 for float64 x), not rounded to x's dtype: for
     :mod:`cukern.dask`, which adds them up across blocks first. Returns what the op does."""
-    return _backward_checked(op, dy, x, mean, rstd, weight, None, sums_dtype=True)
+    return _backward_checked(op, dy, x, mean, rstd, weight, bias, None, sums_dtype=True)
 
 
 @c.capture_safe
-def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key, sums_dtype=False):
+def _backward_checked(op: str, dy, x, mean, rstd, weight, bias, fresh_key, sums_dtype=False):
     layer = op == "layer_norm_backward"
     ax = c.adapt(op, "x", x)
     xa = ax.array
@@ -420,6 +378,9 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key, sums_dtype=
         ns = tuple(xa.shape[xa.ndim - k:])
     lead = tuple(xa.shape[:xa.ndim - k])
     stats = {n: _check_stat(op, n, s, xa, lead, dtype) for n, s in stats}
+    bias_only = bias is not None and w is None
+    if bias is not None:
+        _param(op, "bias", bias, xa, ns)
     rows, cols = math.prod(lead), math.prod(ns)
     if cols > _plan.MAX_COLS:
         raise ValueError(f"{op}: the normalised dimensions {ns} have {cols} elements; at most "
@@ -429,6 +390,10 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key, sums_dtype=
     with c.on_device(dev):
         dx = c.cp.empty(xa.shape, xa.dtype)
         dw = db = None
+        if bias_only:
+            # dbias = dy summed over rows: the weighted kernels with a weight of ones (dy * 1
+            # is exact) give it from their float32 column sums; their dweight is dropped
+            w = c.cp.ones(ns, xa.dtype)
         if w is not None:
             gdt = _stat_dtype(dtype) if sums_dtype else xa.dtype
             dw = c.cp.empty(ns, gdt)
@@ -455,6 +420,8 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, fresh_key, sums_dtype=
             if db is not None:
                 db.fill(0)
     wrap = ax.wrap
+    if bias_only:
+        dw = None
     if layer:
         return wrap(dx), _wrap_opt(wrap, dw), _wrap_opt(wrap, db)
     return wrap(dx), _wrap_opt(wrap, dw)

@@ -66,21 +66,24 @@ def log_softmax(x, axis: int = -1, *, out=None):
     return _run("log_softmax", ("x",), (x,), axis, out)
 
 
-def softmax_backward(y, dy, axis: int = -1, *, out=None):
+def softmax_backward(dy, y, axis: int = -1, *, out=None):
     """Gradient of softmax with respect to its input: ``dx = (dy - sum(dy * y)) * y``.
 
-    ``y`` is the softmax output and ``dy`` the gradient with respect to it; both of one shape,
-    dtype and device. Returns ``dx`` like :func:`softmax` returns ``y``.
+    ``dy`` is the gradient with respect to the softmax output ``y`` (the gradient first, as in
+    every cukern backward and PyTorch's ``_softmax_backward_data``); both of one shape, dtype
+    and device. Returns ``dx`` like :func:`softmax` returns ``y``; ``out=`` as there (it may
+    be ``dy`` or ``y`` itself).
     """
-    return _run("softmax_backward", ("y", "dy"), (y, dy), axis, out)
+    return _run("softmax_backward", ("y", "dy"), (y, dy), axis, out)  # the kernels' order
 
 
-def log_softmax_backward(y, dy, axis: int = -1, *, out=None):
+def log_softmax_backward(dy, y, axis: int = -1, *, out=None):
     """Gradient of log-softmax with respect to its input: ``dx = dy - exp(y) * sum(dy)``.
 
-    ``y`` is the log-softmax output and ``dy`` the gradient with respect to it.
+    ``dy`` is the gradient with respect to the log-softmax output ``y``; as
+    :func:`softmax_backward`.
     """
-    return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)
+    return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)  # the kernels' order
 
 
 def _fast(op: str, x, axis: int):
@@ -173,8 +176,11 @@ def _tail(views) -> tuple:
 
 def run_plan(plan: _plan.Plan, *arrays, axis: int = -1, out=None):
     """Launch ``plan`` as given on CuPy arrays (no planning): for tests and benchmarks that pin
-    a variant. The arrays must match the plan's op, dtype, rows, cols, layout and alignment;
-    that is checked only as far as rows, cols and dtype."""
+    a variant. The arrays are the op's, in its order (a backward's ``dy, y``); they must match
+    the plan's op, dtype, rows, cols, layout and alignment, which is checked only as far as
+    rows, cols and dtype."""
+    if plan.op.endswith("_backward"):
+        arrays = arrays[::-1]  # the kernels read (y, dy)
     ax = c.normalize_axis(plan.op, axis, arrays[0].ndim)
     dev = arrays[0].data.device_id
     with c.on_device(dev):

@@ -1,0 +1,90 @@
+"""The norms' argument checks: normalized_shape, parameters, statistics, ``out=`` overlap, and
+the row view the kernels read (:mod:`cukern.ops.layer_norm`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import runner as c
+
+__all__ = ["normalized_shape", "param", "stat_dtype", "check_stat", "rows_view",
+           "check_out_overlap"]
+
+
+def normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
+    ns = normalized_shape
+    if isinstance(ns, (bool, np.bool_)):
+        raise TypeError(f"{fn}: normalized_shape must be an int or a tuple of ints, got bool")
+    if isinstance(ns, (int, np.integer)):
+        ns = (int(ns),)
+    elif isinstance(ns, (tuple, list)) and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in ns):
+        ns = tuple(int(n) for n in ns)
+    else:
+        raise TypeError(f"{fn}: normalized_shape must be an int or a tuple of ints, got "
+                        f"{normalized_shape!r}")
+    if not ns:
+        raise ValueError(f"{fn}: normalized_shape is empty; name at least one trailing dimension")
+    if len(ns) > x.ndim or tuple(x.shape[x.ndim - len(ns):]) != ns:
+        raise ValueError(f"{fn}: normalized_shape {ns} does not match the trailing dimensions of "
+                         f"x, whose shape is {tuple(x.shape)}")
+    return ns
+
+
+def param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
+    """A weight or bias: shape ``ns`` (any non-empty shape when ns is None), x's dtype and
+    device; returned contiguous."""
+    a = c.adapt(fn, name, p).array
+    if ns is not None and tuple(a.shape) != ns:
+        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {ns} "
+                         f"(normalized_shape)")
+    if a.dtype != x.dtype:
+        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {x.dtype} (the dtype of x)")
+    if a.data.device_id != x.data.device_id:
+        raise ValueError(f"{fn}: {name} is on GPU {a.data.device_id} but x is on GPU "
+                         f"{x.data.device_id}")
+    return a if a.flags.c_contiguous else _contiguous(a)
+
+
+def _contiguous(a):
+    """A C-contiguous copy of ``a``, made on ``a``'s GPU."""
+    with c.on_device(a.data.device_id):
+        return c.cp.ascontiguousarray(a)
+
+
+def stat_dtype(dtype: str):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def check_stat(fn: str, name: str, s, x, expected: tuple[int, ...], dtype: str):
+    if tuple(s.shape) != expected:
+        raise ValueError(f"{fn}: {name} has shape {tuple(s.shape)}, expected {expected} (the "
+                         f"leading dimensions of x, whose shape is {tuple(x.shape)})")
+    want = np.dtype(stat_dtype(dtype))
+    if s.dtype != want:
+        raise TypeError(f"{fn}: {name} has dtype {s.dtype}, expected {want} (the statistics "
+                        f"dtype for {dtype} input)")
+    if s.data.device_id != x.data.device_id:
+        raise ValueError(f"{fn}: {name} is on GPU {s.data.device_id} but x is on GPU "
+                         f"{x.data.device_id}")
+    return s if s.flags.c_contiguous else _contiguous(s)
+
+
+def rows_view(a, k: int):
+    """(array, row_stride): ``a`` itself when its trailing k dims are one contiguous run and its
+    leading dims one stride, else a contiguous copy."""
+    view = c.trailing_layout(a, k)
+    if view is None:
+        a = c.cp.ascontiguousarray(a)
+        view = c.trailing_layout(a, k)
+    return a, view.s_outer
+
+
+def check_out_overlap(op: str, o, x, r, w, b) -> None:
+    """``out`` may be ``x`` itself (in place) but may not overlap ``x`` any other way, nor
+    ``residual``, ``weight`` or ``bias`` at all."""
+    c.check_aliasing(op, [x], o)
+    for name, a in (("residual", r), ("weight", w), ("bias", b)):
+        if a is not None and c.cp.may_share_memory(a, o):
+            raise ValueError(f"{op}: out overlaps {name}; pass a separate array (only x itself "
+                             f"may be written in place)")
