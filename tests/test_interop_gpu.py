@@ -113,6 +113,11 @@ def test_torch_on_cupys_stream_skips_the_handshake(rng):
     want = torch.softmax(x.double(), dim=-1).float()
     for _ in range(2):  # the first call plans, the second takes the cached launch
         torch.testing.assert_close(cukern.softmax(x), want, rtol=1e-5, atol=1e-7)
+    from cukern.ops import softmax as ops_softmax
+
+    fast = ops_softmax._fast_torch("softmax", x, -1)  # the repeated call's path
+    assert isinstance(fast, torch.Tensor)
+    torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-7)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         assert not runner.adapt("softmax", "x", x).same_stream

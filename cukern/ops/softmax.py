@@ -47,8 +47,8 @@ def softmax(x, axis: int = -1, *, out=None):
     whose other dimensions cannot be described by one stride each are copied first. ``axis``
     may have at most ``cukern.plan.MAX_COLS`` (2^31 - 4096) elements (ValueError past it).
     """
-    if out is None and type(x) is _ndarray and type(axis) is int:
-        y = _fast("softmax", x, axis)
+    if out is None and type(axis) is int:
+        y = _fast("softmax", x, axis) if type(x) is _ndarray else _fast_torch("softmax", x, axis)
         if y is not None:
             return y
     return _run("softmax", ("x",), (x,), axis, out)
@@ -59,8 +59,9 @@ def log_softmax(x, axis: int = -1, *, out=None):
 
     Same arguments, dtypes, return kind and notes as :func:`softmax`.
     """
-    if out is None and type(x) is _ndarray and type(axis) is int:
-        y = _fast("log_softmax", x, axis)
+    if out is None and type(axis) is int:
+        y = (_fast("log_softmax", x, axis) if type(x) is _ndarray
+             else _fast_torch("log_softmax", x, axis))
         if y is not None:
             return y
     return _run("log_softmax", ("x",), (x,), axis, out)
@@ -97,6 +98,15 @@ def _fast(op: str, x, axis: int):
     return y
 
 
+def _fast_torch(op: str, x, axis: int):
+    """:func:`_fast` for a PyTorch tensor on CuPy's current stream (None otherwise)."""
+    if type(x).__module__ != "torch":
+        return None
+    v = c.torch_view(x)
+    y = _fast(op, v, axis) if v is not None else None
+    return c.to_torch(y) if y is not None else None
+
+
 @c.capture_safe
 def _run(op: str, names: tuple, inputs: tuple, axis, out):
     adapted = [c.adapt(op, n, a) for n, a in zip(names, inputs)]
@@ -117,8 +127,8 @@ def _run(op: str, names: tuple, inputs: tuple, axis, out):
             c.check_aliasing(op, arrays, o)
         if first.size:
             launch = _launch(op, dtype, ax, arrays, o)
-            if (out is None and len(arrays) == 1 and adapted[0].kind == "cupy"
-                    and launch is not None):
+            if (out is None and len(arrays) == 1 and launch is not None
+                    and (adapted[0].kind == "cupy" or adapted[0].same_stream)):
                 _fresh[(op, axis, first.shape, first.strides, first.dtype, first.data.ptr & 15,
                         dev)] = launch
         return c.handed_back(out, o) if out is not None else adapted[0].wrap(o)
