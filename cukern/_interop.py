@@ -1,0 +1,159 @@
+"""Arrays in and out: CuPy arrays as they are, PyTorch tensors and JAX arrays (any CUDA array
+with ``__dlpack__``) through DLPack without a copy, results back as the caller's kind, and the
+device and stream rules of the exchange (the runner re-exports these for the ops)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - exercised only where CuPy is missing
+    cp = None
+
+__all__ = ["Adapted", "adapt", "handed_back", "on_device", "to_torch", "torch_view"]
+
+_KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_ROCM = 2, 13, 10
+
+
+class Adapted:
+    """A CuPy view of a user's array and the means to return results as the user's kind.
+    ``same_stream``: a PyTorch tensor whose GPU's current PyTorch stream is CuPy's, exchanged
+    without the protocol's stream handshake (see :func:`torch_view`)."""
+
+    __slots__ = ("array", "kind", "same_stream")
+
+    def __init__(self, array, kind: str, same_stream: bool = False):
+        self.array = array
+        self.kind = kind
+        self.same_stream = same_stream
+
+    def wrap(self, result):
+        if self.kind == "cupy":
+            return result
+        if self.same_stream:
+            return to_torch(result)
+        # the exchange orders the result's GPU's streams: make that GPU current for it
+        if self.kind == "torch":
+            import torch
+
+            with on_device(result.data.device_id):
+                return torch.from_dlpack(result)
+        if self.kind == "jax":
+            import jax.numpy as jnp
+
+            with on_device(result.data.device_id):
+                return jnp.from_dlpack(result)
+        return result
+
+
+# PyTorch's current raw stream of a GPU (a private accessor where present: the public
+# torch.cuda.current_stream costs several microseconds a call)
+_torch_stream = None
+
+
+def _torch_current_stream(device_id: int) -> int:
+    global _torch_stream
+    if _torch_stream is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _torch_stream = raw if raw is not None else (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _torch_stream(device_id)
+
+
+def torch_view(x):
+    """A CuPy view of the CUDA PyTorch tensor ``x`` when PyTorch's current stream on its GPU
+    is CuPy's current stream there (the common case: both on the legacy default stream), else
+    None. The exchange then needs none of DLPack's stream handshake (an event recorded on one
+    stream and waited on by the other: tens of microseconds of host time a call), so it uses
+    the unversioned capsule, which carries none. Tensors that require grad give None (the
+    caller's checks refuse them)."""
+    if not x.is_cuda or x.requires_grad:
+        return None
+    dev = x.get_device()
+    if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+        return None
+    from torch.utils import dlpack
+
+    return cp.from_dlpack(dlpack.to_dlpack(x))
+
+
+def to_torch(result):
+    """``result`` (CuPy) as a PyTorch tensor sharing its memory, without a stream handshake:
+    only for results of an input taken by :func:`torch_view` (same stream on both sides)."""
+    from torch.utils import dlpack
+
+    return dlpack.from_dlpack(result.toDlpack())
+
+
+def _require_cupy(fn: str) -> None:
+    if cp is None:
+        raise RuntimeError(
+            f"{fn}: CuPy is not installed; install cukern[cuda12] or cukern[cuda13]")
+
+
+def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
+    """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe).
+    ``out``: the array is to be written (a JAX array is refused: JAX arrays are immutable). A
+    PyTorch tensor that requires grad is refused with a TypeError naming ``arg``."""
+    _require_cupy(fn)
+    if isinstance(x, cp.ndarray):
+        return Adapted(x, "cupy")
+    if isinstance(x, np.ndarray) or np.isscalar(x) or isinstance(x, (list, tuple)):
+        raise TypeError(
+            f"{fn}: {arg} must be a CuPy array or a GPU array with __dlpack__, got "
+            f"{type(x).__module__}.{type(x).__qualname__} (host data: move it to the GPU "
+            f"with cupy.asarray first)")
+    if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+        raise TypeError(
+            f"{fn}: {arg} must be a CuPy array or a GPU array with __dlpack__, got "
+            f"{type(x).__module__}.{type(x).__qualname__}")
+    module = type(x).__module__.split(".")[0]
+    kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
+    if kind == "jax" and out:
+        raise TypeError(f"{fn}: {arg} is a JAX array; JAX arrays are immutable, so cukern "
+                        f"cannot write into one: leave out= unset and use the returned array")
+    if kind == "torch" and getattr(x, "requires_grad", False):
+        raise TypeError(
+            f"{fn}: {arg} is a PyTorch tensor that requires grad; cukern.{fn} records no "
+            f"autograd history: use cukern.torch (autograd through cukern's backward kernels) "
+            f"or pass {arg}.detach()")
+    if kind == "torch" and x.is_cuda:
+        view = torch_view(x)
+        if view is not None:
+            return Adapted(view, kind, True)
+    dev_type, dev_id = x.__dlpack_device__()
+    if int(dev_type) not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+        raise TypeError(
+            f"{fn}: {arg} lives on DLPack device type {int(dev_type)}, not a CUDA GPU; move it "
+            f"to the GPU first")
+    with on_device(int(dev_id)):  # the exchange orders the array's GPU's current streams
+        return Adapted(cp.from_dlpack(x), kind)
+
+
+def handed_back(out, o):
+    """``out`` (the caller's out= array, ``o`` its CuPy view) once written: a PyTorch tensor's
+    current stream on its GPU is made to wait for the kernels CuPy's current stream ran, as
+    ``torch.from_dlpack`` does for fresh results, so that reading ``out`` on the caller's
+    stream right after the call is safe. Call it with ``o``'s device current."""
+    if type(out) is not cp.ndarray and type(out).__module__.split(".")[0] == "torch":
+        import torch
+
+        dev = o.data.device_id
+        if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+            torch.from_dlpack(o)  # the exchange records the event and the wait
+    return out
+
+
+_SAME_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+
+
+def on_device(device_id: int):
+    """A context that makes ``device_id`` current (a no-op when it already is)."""
+    if device_id == cp.cuda.runtime.getDevice():
+        return _SAME_DEVICE
+    return cp.cuda.Device(device_id)
