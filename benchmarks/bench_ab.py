@@ -5,6 +5,10 @@ For changes meant to cost no speed (a refactor, a kernel rewrite): every shape s
 within 1 point of % of copy.
 
     python benchmarks/bench_ab.py --base DIR [--rounds 3] [--quick] [--out benchmarks/results]
+        [--family softmax,norm] [--ops softmax,...] [--min-cols 65536]
+
+``--ops`` and ``--min-cols`` time a subset (the results of the other shapes are kept from the
+last run, as for ``--family``).
 
 DIR holds the base tree's ``cukern/`` and ``kernels/`` (e.g. ``git archive REV | tar -x -C
 DIR``). Writes ab_<device>.json and .png and prints the table.
@@ -227,11 +231,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="four column counts")
     ap.add_argument("--family", default="softmax,norm")
+    ap.add_argument("--ops", default="", help="only these ops (labels, comma-separated)")
+    ap.add_argument("--min-cols", type=int, default=0, help="only rows of at least this many")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     base = load_base(args.base)
     fams = set(args.family.split(","))
-    case_list = [c for c in cases(args.quick) if c[0] in fams]
+    ops = set(args.ops.split(",")) if args.ops else None
+    case_list = [c for c in cases(args.quick) if c[0] in fams and c[7] >= args.min_cols
+                 and (ops is None or c[1] in ops)]
     prewarm(base, case_list)
     prewarm(cukern, case_list)
     rows = run(base, case_list, args.rounds, args.reps)
@@ -245,7 +253,8 @@ def main() -> None:
 
     base_name = args.base_name or args.base
     result = Run(args.out, "ab", device, quick=args.quick)
-    payload = result.merge_previous({"base": base_name, "results": rows})  # other families kept
+    payload = result.merge_previous(  # the shapes this run did not time are kept
+        {"base": base_name, "results": rows}, key=lambda r: (r["op"], r["dtype"], r["cols"]))
     result.save(payload)
     result.append([dict(op=r["op"], dtype=r["dtype"], rows=r["rows"], cols=r["cols"],
                         pct_copy=r["new_pct"], gbps=r["bytes"] / r["new_ms"] / 1e6,
