@@ -131,12 +131,16 @@ class Run:
         groups = sorted({" ".join(map(str, key(r))) for r in kept})
         # kept rows that the current file had itself merged keep their own sources
         earlier = old.get("merged_from", [])
-        elsewhere = {g for src in earlier for g in src.get("rows_of", [])}
-        own = [g for g in groups if g not in elsewhere]
+
+        def within(g: str, e: str) -> bool:  # e names g's rows, or a coarser group holding them
+            return g == e or g.startswith(e + " ")
+
+        own = [g for g in groups
+               if not any(within(g, e) for src in earlier for e in src.get("rows_of", []))]
         sources = [{k: old[k] for k in ("commit", "date", "device") if k in old}
                    | {"rows_of": own}] if own else []
         for src in earlier:
-            rest = [g for g in src.get("rows_of", []) if g in groups]
+            rest = [g for g in groups if any(within(g, e) for e in src.get("rows_of", []))]
             if rest:
                 sources.append(src | {"rows_of": rest})
         return {**payload, list_key: payload[list_key] + kept,
