@@ -13,7 +13,8 @@ try:
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
 
-__all__ = ["Adapted", "adapt", "handed_back", "on_device", "to_torch", "torch_view"]
+__all__ = ["Adapted", "adapt", "handed_back", "on_device", "to_torch", "torch_view",
+           "torch_views"]
 
 _KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_ROCM = 2, 13, 10
 
@@ -77,17 +78,48 @@ def torch_view(x):
     dev = x.get_device()
     if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
         return None
-    from torch.utils import dlpack
+    return cp.from_dlpack(_torch_dlpack().to_dlpack(x))
 
-    return cp.from_dlpack(dlpack.to_dlpack(x))
+
+def torch_views(arrays) -> list | None:
+    """The ops' PyTorch fast paths: :func:`torch_view` of each of ``arrays`` (None stays None),
+    or None unless every other one is a CUDA tensor not requiring grad on CuPy's current stream
+    of its GPU (the full path then adapts, checks and refuses them). The streams are compared
+    once a GPU."""
+    views = []
+    checked = -1  # the GPU whose streams were compared
+    for a in arrays:
+        if a is None:
+            views.append(None)
+            continue
+        if type(a).__module__ != "torch" or not a.is_cuda or a.requires_grad:
+            return None
+        dev = a.get_device()
+        if dev != checked:
+            if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+                return None
+            checked = dev
+        views.append(cp.from_dlpack(_torch_dlpack().to_dlpack(a)))
+    return views
+
+
+_dlpack_module = None
+
+
+def _torch_dlpack():
+    """``torch.utils.dlpack``, imported on first use (PyTorch is optional)."""
+    global _dlpack_module
+    if _dlpack_module is None:
+        from torch.utils import dlpack
+
+        _dlpack_module = dlpack
+    return _dlpack_module
 
 
 def to_torch(result):
     """``result`` (CuPy) as a PyTorch tensor sharing its memory, without a stream handshake:
     only for results of an input taken by :func:`torch_view` (same stream on both sides)."""
-    from torch.utils import dlpack
-
-    return dlpack.from_dlpack(result.toDlpack())
+    return _torch_dlpack().from_dlpack(result.toDlpack())
 
 
 def _require_cupy(fn: str) -> None:
