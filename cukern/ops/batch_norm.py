@@ -51,6 +51,7 @@ _fresh: dict[tuple, _Forward] = c.BoundedDict()
 _EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
+_torch_views, _to_torch = c.torch_views, c.to_torch
 
 
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -124,15 +125,41 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     TypeError
         Host (NumPy) or integer arrays, parameters of another dtype.
     """
-    if out is None and type(x) is _ndarray:
-        key = _fresh_key(x, running_mean, running_var, weight, bias, addend, axis, training,
-                         relu, return_stats, momentum, eps)
-        fwd = _fresh.get(key) if key is not None else None
-        if fwd is not None and fwd.device == _get_device():
-            return fwd.fresh(x, running_mean, running_var, weight, bias, addend, momentum, eps,
-                             return_stats)
+    if out is None:
+        if type(x) is _ndarray:
+            key = _fresh_key(x, running_mean, running_var, weight, bias, addend, axis, training,
+                             relu, return_stats, momentum, eps)
+            fwd = _fresh.get(key) if key is not None else None
+            if fwd is not None and fwd.device == _get_device():
+                return fwd.fresh(x, running_mean, running_var, weight, bias, addend, momentum,
+                                 eps, return_stats)
+        elif type(x).__module__ == "torch":
+            y = _fast_torch(x, running_mean, running_var, weight, bias, addend, axis, training,
+                            relu, return_stats, momentum, eps)
+            if y is not None:
+                return y
     return _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps,
                        axis, addend, relu, return_stats, out)
+
+
+def _fast_torch(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps):
+    """batch_norm's fast path for PyTorch tensors on CuPy's current stream (every array one):
+    their CuPy views through the CuPy fast path (the running statistics updated in the
+    tensors' memory), the results as tensors; None where it does not apply."""
+    views = _torch_views((x, rm, rv, w, b, z))
+    if views is None:
+        return None
+    xv, rm, rv, w, b, z = views
+    key = _fresh_key(xv, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps)
+    fwd = _fresh.get(key) if key is not None else None
+    if fwd is None or fwd.device != _get_device():
+        return None
+    res = fwd.fresh(xv, rm, rv, w, b, z, momentum, eps, return_stats)
+    if not return_stats:
+        return _to_torch(res)
+    y, mean, invstd, mask = res
+    return (_to_torch(y), _to_torch(mean), _to_torch(invstd),
+            None if mask is None else _to_torch(mask))
 
 
 @c.capture_safe
@@ -202,13 +229,17 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
             if hit.fwd is None:
                 hit.fwd = _Forward(plan, steps, dev, relu, want_mask)
             hit.fwd(xw, zw, y, mask, mean, invstd, rm_k, rv_k, w_k, b_k, momentum, eps)
-            if (o is None and not copied and not (rm_back or rv_back) and w_k is w
-                    and b_k is b and all(a is None or type(a) is _ndarray for a in
-                                         (x, running_mean, running_var, weight, bias, addend))):
-                key = _fresh_key(x, running_mean, running_var, weight, bias, addend, raw_axis,
-                                 training, relu, return_stats, momentum, eps)
-                if key is not None:
-                    _fresh[key] = hit.fwd
+            if o is None and not copied and not (rm_back or rv_back) and w_k is w and b_k is b:
+                given = (x, running_mean, running_var, weight, bias, addend)
+                # the fast path's key, of the arrays the kernels read (the CuPy arguments, or
+                # the views of PyTorch tensors on CuPy's stream): only where every array is one
+                if all(a is None or type(a) is _ndarray for a in given) or (
+                        ax.same_stream and all(a is None or type(a).__module__ == "torch"
+                                               for a in given)):
+                    key = _fresh_key(xa, rm, rv, w, b, z, raw_axis, training, relu,
+                                     return_stats, momentum, eps)
+                    if key is not None:
+                        _fresh[key] = hit.fwd
             if training:
                 if rm_back:
                     rm[...] = rm_k
