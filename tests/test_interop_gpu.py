@@ -192,7 +192,8 @@ def _host(rng) -> dict:
          "b": n(C).astype(f), "x3": n((3, 5, 7)).astype(f), "xb": n(BN).astype(f),
          "dyb": n(BN).astype(f), "zb": n(BN).astype(f), "xh": n((4, 5, 6, 8)).astype(f),
          "rm": n(8).astype(f), "rv": u(0.5, 2, 8).astype(f), "wb": u(0.5, 1.5, 8).astype(f),
-         "bb": n(8).astype(f)}
+         "bb": n(8).astype(f),
+         "mask": rng.integers(-2**31, 2**31, -(-np.prod(BN) // 32)).astype(np.int32)}
     a["y"] = reference.softmax(a["x"]).astype(f)
     a["ly"] = reference.log_softmax(a["x"]).astype(f)
     _, mean, rstd = reference.layer_norm(a["x"], C, return_stats=True)
@@ -221,8 +222,8 @@ def _ref():
 
 
 def _cases() -> dict:
-    """name -> (module, its full path's function or None where the op has no fast path, the call
-    on a dict of arrays of one kind with m = cukern or the reference, arrays written in place)."""
+    """name -> (module, its full path's function, the call on a dict of arrays of one kind
+    with m = cukern or the reference, arrays written in place)."""
     from cukern.ops import batch_norm as bn
     from cukern.ops import layer_norm as ln
     from cukern.ops import permute as pm
@@ -254,9 +255,15 @@ def _cases() -> dict:
             ("rm", "rv")),
         "batch_norm_eval": (bn, "_batch_norm", lambda m, a: m.batch_norm(
             a["xb"], a["rm"], a["rv"], a["wb"], a["bb"]), ()),
-        "batch_norm_backward": (bn, None, lambda m, a: m.batch_norm_backward(
+        "batch_norm_backward": (bn, "_batch_norm_backward", lambda m, a: m.batch_norm_backward(
             a["dyb"], a["xb"], a["bmean"], a["binvstd"], a["wb"]), ()),
-        "batch_stats": (bn, None, lambda m, a: m.batch_stats(a["xb"]), ()),
+        "batch_norm_backward_masked": (bn, "_batch_norm_backward",
+                                       lambda m, a: m.batch_norm_backward(
+            a["dyb"], a["xb"], a["bmean"], a["binvstd"], None, mask=a["mask"], addend=True,
+            training=False), ()),
+        "batch_stats": (bn, "_batch_stats", lambda m, a: m.batch_stats(a["xb"]), ()),
+        "batch_stats_channels_last": (bn, "_batch_stats",
+                                      lambda m, a: m.batch_stats(a["xh"], axis=-1), ()),
         "permute": (pm, "_run", lambda m, a: m.permute(a["x3"], (2, 0, 1)), ()),
         "to_nhwc": (pm, "_run", lambda m, a: m.to_nhwc(a["xb"]), ()),
         "to_nchw": (pm, "_run", lambda m, a: m.to_nchw(a["xh"]), ()),
@@ -267,7 +274,8 @@ CASE_NAMES = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backwar
               "layer_norm", "layer_norm_stats", "rms_norm", "layer_norm_backward",
               "rms_norm_backward", "batch_norm_training", "batch_norm_fused",
               "batch_norm_channels_last", "batch_norm_eval", "batch_norm_backward",
-              "batch_stats", "permute", "to_nhwc", "to_nchw"]
+              "batch_norm_backward_masked", "batch_stats", "batch_stats_channels_last",
+              "permute", "to_nhwc", "to_nchw"]
 
 
 def test_case_names_cover_the_table():
@@ -327,21 +335,18 @@ def test_same_stream_tensors_take_the_fast_path(name, rng, monkeypatch):
 
     torch = _torch()
     mod, full, call, inplace = _cases()[name]
-    calls = _count_full_path(monkeypatch, mod, full) if full else None
-    if full:
-        monkeypatch.setattr(mod, "_fresh", runner.BoundedDict())
+    calls = _count_full_path(monkeypatch, mod, full)
+    monkeypatch.setattr(mod, "_fresh", runner.BoundedDict())
     ref = _ref()
     for rep in range(2):  # the first call validates and plans, the second takes the fast path
         host = _host(rng)
         arrays, tensors = _kinds(torch, host)
         got = _results(call(cukern, tensors), tensors, inplace)
         device = tensors["x"].device
-        if full:
-            assert len(calls) == 1, f"call {rep + 1}: the full path ran {len(calls)} times"
-            assert len(mod._fresh) == 1
+        assert len(calls) == 1, f"call {rep + 1}: the full path ran {len(calls)} times"
+        assert len(mod._fresh) == 1
         want = _results(call(cukern, arrays), arrays, inplace)
-        if full:
-            assert len(calls) == 1  # one key for both kinds: the CuPy call found the entry
+        assert len(calls) == 1  # one key for both kinds: the CuPy call found the entry
         _same_as_cupy(torch, got, want, device)
         on_host = {k: v.copy() for k, v in host.items()}
         _close_to_ref(got, _results(call(ref, on_host), on_host, inplace))
@@ -358,15 +363,14 @@ def test_tensors_on_a_side_stream_are_exchanged_in_order(name, rng, monkeypatch)
     for _ in range(2):
         call(cukern, _kinds(torch, host)[1])  # on the default stream: the fast path is ready
     arrays, tensors = _kinds(torch, host)
-    calls = _count_full_path(monkeypatch, mod, full) if full else None
+    calls = _count_full_path(monkeypatch, mod, full)
 
     def on_side_stream():
         made = {k: v * 1 for k, v in tensors.items()}  # made on the side stream
         return tuple(_results(call(cukern, made), made, inplace))
 
     _, snapshot = _delayed(torch, on_side_stream)
-    if full:
-        assert len(calls) == 1  # the streams differ: not the fast path
+    assert len(calls) == 1  # the streams differ: not the fast path
     want = _results(call(cukern, arrays), arrays, inplace)
     _same_as_cupy(torch, list(snapshot), want, tensors["x"].device)
 
@@ -380,7 +384,8 @@ def test_tensors_requiring_grad_are_refused_beside_the_fast_path(name, rng):
     host = _host(rng)
     for _ in range(2):
         call(cukern, _kinds(torch, host)[1])
-    tensors = {k: v.requires_grad_() for k, v in _kinds(torch, host)[1].items()}
+    tensors = {k: v.requires_grad_() if v.is_floating_point() else v
+               for k, v in _kinds(torch, host)[1].items()}
     with pytest.raises(TypeError, match=r"is a PyTorch tensor that requires grad"):
         call(cukern, tensors)
     for k in inplace:
