@@ -33,6 +33,7 @@ from ._capture import capture_safe, keep  # noqa: F401  (the ops' capture safety
 from ._interop import (  # noqa: F401
     Adapted,
     adapt,
+    fast_arrays,
     handed_back,
     on_device,
     to_torch,

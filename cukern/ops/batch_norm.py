@@ -50,6 +50,7 @@ _fresh: dict[tuple, object] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
 _torch_view, _torch_views, _to_torch = c.torch_view, c.torch_views, c.to_torch
+_fast_arrays = c.fast_arrays
 
 
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -294,12 +295,7 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     daddend: x's shape, dtype and memory layout. dweight, dbias: (C,), weight's dtype when
     given, else float32 (float64 for float64 x); returned also without a weight.
     """
-    if type(x) is _ndarray:
-        args = (dy, x, mean, invstd, weight, mask)
-    elif type(x).__module__ == "torch":  # tensors on CuPy's stream: their CuPy views
-        args = _torch_views((dy, x, mean, invstd, weight, mask))
-    else:
-        args = None
+    args = _fast_arrays(x, (dy, x, mean, invstd, weight, mask))  # CuPy, or tensors' views
     key = _backward_key(*args, axis, addend, training) if args is not None else None
     hit = _fresh.get(key) if key is not None else None
     if hit is not None and hit[2] == _get_device():

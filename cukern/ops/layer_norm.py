@@ -32,8 +32,7 @@ _launches: dict[tuple, _Launches] = c.BoundedDict()
 _fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: dict[str, _plan.Plan] = {}  # op -> the plan of its latest call (last_plan)
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_ndarray = c.cp.ndarray if c.cp is not None else None
-_torch_views, _to_torch = c.torch_views, c.to_torch
+_fast_arrays, _to_torch = c.fast_arrays, c.to_torch
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
@@ -180,12 +179,7 @@ class _Launches:
 def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats, out):
     key = None
     if residual is None and out is None:
-        if type(x) is _ndarray:
-            args = (x, weight, bias)
-        elif type(x).__module__ == "torch":  # tensors on CuPy's stream: their CuPy views
-            args = _torch_views((x, weight, bias))
-        else:
-            args = None
+        args = _fast_arrays(x, (x, weight, bias))  # CuPy arrays, or same-stream tensors' views
         if args is not None:
             key = _fresh_key(op, args,
                              (_typed(normalized_shape), _typed(eps), _typed(return_stats)))
@@ -297,12 +291,7 @@ def _arg(a):
 def _backward(op: str, dy, x, mean, rstd, weight, bias):
     key = None
     if bias is None or weight is not None:
-        if type(x) is _ndarray:
-            args = (dy, x, mean, rstd, weight, bias)
-        elif type(x).__module__ == "torch":  # tensors on CuPy's stream: their CuPy views
-            args = _torch_views((dy, x, mean, rstd, weight, bias))
-        else:
-            args = None
+        args = _fast_arrays(x, (dy, x, mean, rstd, weight, bias))
         if args is not None:
             key = _fresh_key(op, args, ())
             hit = _fresh.get(key) if key is not None else None
