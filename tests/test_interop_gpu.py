@@ -2,7 +2,9 @@
 arrays are immutable) and left as it was; a PyTorch out= written while the caller works on
 another PyTorch stream is complete when read on that stream right after the call; a tensor
 that requires grad is refused with a TypeError naming the argument and pointing to
-cukern.torch."""
+cukern.torch. Every op's PyTorch fast path: tensors on CuPy's stream take the cached launch of
+a validated layout and give the CuPy call's bits; tensors on a side stream take the full path,
+ordered; tensors that require grad still meet the TypeError."""
 
 from __future__ import annotations
 
