@@ -13,9 +13,11 @@ try:
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
 
-__all__ = ["Adapted", "adapt", "handed_back", "on_device", "to_torch", "torch_view"]
+__all__ = ["Adapted", "adapt", "fast_arrays", "handed_back", "on_device", "to_torch",
+           "torch_view", "torch_views"]
 
 _KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_ROCM = 2, 13, 10
+_ndarray = cp.ndarray if cp is not None else None
 
 
 class Adapted:
@@ -71,23 +73,67 @@ def torch_view(x):
     None. The exchange then needs none of DLPack's stream handshake (an event recorded on one
     stream and waited on by the other: tens of microseconds of host time a call), so it uses
     the unversioned capsule, which carries none. Tensors that require grad give None (the
-    caller's checks refuse them)."""
-    if not x.is_cuda or x.requires_grad:
+    caller's checks refuse them), and so does a missing CuPy (the caller's checks say so)."""
+    if cp is None or not x.is_cuda or x.requires_grad:
         return None
     dev = x.get_device()
     if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
         return None
-    from torch.utils import dlpack
+    return cp.from_dlpack(_torch_dlpack().to_dlpack(x))
 
-    return cp.from_dlpack(dlpack.to_dlpack(x))
+
+def torch_views(arrays) -> list | None:
+    """The ops' PyTorch fast paths: :func:`torch_view` of each of ``arrays`` (None stays None),
+    or None unless every other one is a CUDA tensor not requiring grad on CuPy's current stream
+    of its GPU (the full path then adapts, checks and refuses them). The streams are compared
+    once a GPU."""
+    if cp is None:
+        return None
+    views = []
+    checked = -1  # the GPU whose streams were compared
+    for a in arrays:
+        if a is None:
+            views.append(None)
+            continue
+        if type(a).__module__ != "torch" or not a.is_cuda or a.requires_grad:
+            return None
+        dev = a.get_device()
+        if dev != checked:
+            if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+                return None
+            checked = dev
+        views.append(cp.from_dlpack(_torch_dlpack().to_dlpack(a)))
+    return views
+
+
+def fast_arrays(x, arrays):
+    """What an op's fast path reads of its array arguments (``x`` one of them): ``arrays`` as
+    they are when ``x`` is a CuPy array, their CuPy views (:func:`torch_views`) when it is a
+    PyTorch tensor, else None. (The key then tells whether the others are CuPy arrays.)"""
+    if type(x) is _ndarray:
+        return arrays
+    if type(x).__module__ == "torch":
+        return torch_views(arrays)
+    return None
+
+
+_dlpack_module = None
+
+
+def _torch_dlpack():
+    """``torch.utils.dlpack``, imported on first use (PyTorch is optional)."""
+    global _dlpack_module
+    if _dlpack_module is None:
+        from torch.utils import dlpack
+
+        _dlpack_module = dlpack
+    return _dlpack_module
 
 
 def to_torch(result):
     """``result`` (CuPy) as a PyTorch tensor sharing its memory, without a stream handshake:
     only for results of an input taken by :func:`torch_view` (same stream on both sides)."""
-    from torch.utils import dlpack
-
-    return dlpack.from_dlpack(result.toDlpack())
+    return _torch_dlpack().from_dlpack(result.toDlpack())
 
 
 def _require_cupy(fn: str) -> None:

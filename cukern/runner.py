@@ -30,7 +30,16 @@ from . import plan as _plan
 from ._capture import capture_safe, keep  # noqa: F401  (the ops' capture safety)
 
 # the ops reach these as runner.*
-from ._interop import Adapted, adapt, handed_back, on_device, to_torch, torch_view  # noqa: F401
+from ._interop import (  # noqa: F401
+    Adapted,
+    adapt,
+    fast_arrays,
+    handed_back,
+    on_device,
+    to_torch,
+    torch_view,
+    torch_views,
+)
 
 try:
     from ml_dtypes import bfloat16 as _bf16

@@ -644,6 +644,22 @@ def test_eps_the_fast_path_takes():
         assert key(eps) is None, eps
 
 
+def test_arrays_that_are_not_cupy_take_no_fast_path_key():
+    """A parameter or dy that is not a CuPy array (a PyTorch tensor beside a CuPy x, say) gives
+    no key, before any of its attributes is read: the full path adapts it."""
+    from cukern.ops import batch_norm as bn
+
+    class Foreign:  # no dtype, shape, strides or data to read
+        pass
+
+    other = Foreign()
+    for i in range(4):
+        params = [None] * 4
+        params[i] = other
+        assert bn._fresh_key(None, *params, None, 1, True, False, False, 0.1, 1e-5) is None
+    assert bn._backward_key(other, None, None, None, None, None, 1, False, True) is None
+
+
 def test_view_cache_is_bounded():
     from cukern.ops import batch_norm_args as bn
 

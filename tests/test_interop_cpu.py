@@ -103,3 +103,30 @@ def test_capture_bookkeeping_with_a_stubbed_capturing_stream(monkeypatch):
     assert cukern.release_capture_memory(8) == 0  # another stream
     assert cukern.release_capture_memory(Stream) == 512 + 1024 + 256
     assert cukern.capture_memory_bytes() == 0
+
+
+def _fake_tensor(**attrs):
+    """An object that passes for a PyTorch tensor as far as the type's module goes."""
+
+    class Tensor:
+        pass
+
+    Tensor.__module__ = "torch"
+    t = Tensor()
+    t.__dict__.update(attrs)
+    return t
+
+
+def test_tensors_that_cannot_take_a_fast_path_are_refused_before_any_exchange():
+    """A CPU tensor, a tensor that requires grad, or an argument of another kind among an
+    op's arrays: no views (the full path then adapts and refuses), decided before any CUDA
+    call or DLPack exchange (the fake tensors have neither)."""
+    from cukern import _interop
+
+    cpu = _fake_tensor(is_cuda=False, requires_grad=False)
+    grad = _fake_tensor(is_cuda=True, requires_grad=True)
+    for bad in (cpu, grad, [1.0], object()):
+        assert _interop.torch_views((None, bad, grad)) is None
+        assert _interop.fast_arrays(cpu, (cpu, bad)) is None
+        assert _interop.fast_arrays(bad, (bad,)) is None
+    assert _interop.torch_view(cpu) is None and _interop.torch_view(grad) is None

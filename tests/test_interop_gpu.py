@@ -2,7 +2,9 @@
 arrays are immutable) and left as it was; a PyTorch out= written while the caller works on
 another PyTorch stream is complete when read on that stream right after the call; a tensor
 that requires grad is refused with a TypeError naming the argument and pointing to
-cukern.torch."""
+cukern.torch. Every op's PyTorch fast path: tensors on CuPy's stream take the cached launch of
+a validated layout and give the CuPy call's bits; tensors on a side stream take the full path,
+ordered; tensors that require grad still meet the TypeError."""
 
 from __future__ import annotations
 
@@ -67,7 +69,9 @@ def _delayed(torch, fn):
     torch.cuda._sleep(100_000_000)  # on the default stream (CuPy's null stream too)
     with torch.cuda.stream(side):
         res = fn()
-        snapshot = res.clone()  # read on the caller's stream right after the call
+        # read on the caller's stream right after the call (each tensor of a tuple)
+        snapshot = res.clone() if isinstance(res, torch.Tensor) else tuple(
+            None if r is None else r.clone() for r in res)
     torch.cuda.synchronize()
     return res, snapshot
 
@@ -171,3 +175,220 @@ def test_cukern_torch_still_takes_tensors_requiring_grad():
     x = torch.randn(16, 64, device="cuda", requires_grad=True)
     ct.softmax(x, dim=-1).sum().backward()
     assert x.grad is not None and x.grad.abs().max().item() < 1e-5  # d(sum softmax)/dx = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Every op's PyTorch fast path: tensors on CuPy's current stream through their CuPy views.
+
+R, C = 8, 64  # the row-wise ops' (rows, columns)
+BN = (4, 8, 5, 6)  # batch norm's x (N, C, H, W)
+
+
+def _host(rng) -> dict:
+    """Fresh float32 inputs of every op; the backwards' y and statistics are the forwards'
+    (float64 reference, rounded)."""
+    from cukern import reference
+
+    f, n, u = np.float32, rng.standard_normal, rng.uniform
+    a = {"x": n((R, C)).astype(f), "dy": n((R, C)).astype(f), "w": u(0.5, 1.5, C).astype(f),
+         "b": n(C).astype(f), "x3": n((3, 5, 7)).astype(f), "xb": n(BN).astype(f),
+         "dyb": n(BN).astype(f), "zb": n(BN).astype(f), "xh": n((4, 5, 6, 8)).astype(f),
+         "rm": n(8).astype(f), "rv": u(0.5, 2, 8).astype(f), "wb": u(0.5, 1.5, 8).astype(f),
+         "bb": n(8).astype(f),
+         "mask": rng.integers(-2**31, 2**31, -(-np.prod(BN) // 32)).astype(np.int32)}
+    a["y"] = reference.softmax(a["x"]).astype(f)
+    a["ly"] = reference.log_softmax(a["x"]).astype(f)
+    _, mean, rstd = reference.layer_norm(a["x"], C, return_stats=True)
+    _, rrstd = reference.rms_norm(a["x"], C, return_stats=True)
+    bmean, bvar = reference.batch_stats(a["xb"])
+    a.update(mean=mean.astype(f), rstd=rstd.astype(f), rrstd=rrstd.astype(f),
+             bmean=bmean.astype(f), binvstd=(1 / np.sqrt(bvar + 1e-5)).astype(f))
+    return a
+
+
+def _nchw(a):
+    """A channels-last (N, H, W, C) array as its (N, C, H, W) view, of any kind."""
+    return a.permute(0, 3, 1, 2) if type(a).__module__ == "torch" else a.transpose(0, 3, 1, 2)
+
+
+def _ref():
+    from types import SimpleNamespace
+
+    from cukern import reference as r
+
+    return SimpleNamespace(**{n: getattr(r, n) for n in (
+        "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "layer_norm",
+        "rms_norm", "layer_norm_backward", "rms_norm_backward", "batch_norm",
+        "batch_norm_backward", "batch_stats", "permute")},
+        to_nhwc=lambda x: r.permute(x, (0, 2, 3, 1)), to_nchw=lambda x: r.permute(x, (0, 3, 1, 2)))
+
+
+def _cases() -> dict:
+    """name -> (module, its full path's function, the call on a dict of arrays of one kind
+    with m = cukern or the reference, arrays written in place)."""
+    from cukern.ops import batch_norm as bn
+    from cukern.ops import layer_norm as ln
+    from cukern.ops import permute as pm
+    from cukern.ops import softmax as sm
+
+    return {
+        "softmax": (sm, "_run", lambda m, a: m.softmax(a["x"]), ()),
+        "log_softmax": (sm, "_run", lambda m, a: m.log_softmax(a["x"]), ()),
+        "softmax_backward": (sm, "_run", lambda m, a: m.softmax_backward(a["dy"], a["y"]), ()),
+        "log_softmax_backward": (sm, "_run",
+                                 lambda m, a: m.log_softmax_backward(a["dy"], a["ly"]), ()),
+        "layer_norm": (ln, "_forward_checked",
+                       lambda m, a: m.layer_norm(a["x"], C, a["w"], a["b"]), ()),
+        "layer_norm_stats": (ln, "_forward_checked", lambda m, a: m.layer_norm(
+            a["x"], C, a["w"], a["b"], return_stats=True), ()),
+        "rms_norm": (ln, "_forward_checked",
+                     lambda m, a: m.rms_norm(a["x"], C, a["w"], return_stats=True), ()),
+        "layer_norm_backward": (ln, "_backward_checked", lambda m, a: m.layer_norm_backward(
+            a["dy"], a["x"], a["mean"], a["rstd"], a["w"], a["b"]), ()),
+        "rms_norm_backward": (ln, "_backward_checked", lambda m, a: m.rms_norm_backward(
+            a["dy"], a["x"], a["rrstd"], a["w"]), ()),
+        "batch_norm_training": (bn, "_batch_norm", lambda m, a: m.batch_norm(
+            a["xb"], a["rm"], a["rv"], a["wb"], a["bb"], training=True), ("rm", "rv")),
+        "batch_norm_fused": (bn, "_batch_norm", lambda m, a: m.batch_norm(
+            a["xb"], a["rm"], a["rv"], a["wb"], a["bb"], True, addend=a["zb"], relu=True,
+            return_stats=True), ("rm", "rv")),
+        "batch_norm_channels_last": (bn, "_batch_norm", lambda m, a: m.batch_norm(
+            _nchw(a["xh"]), a["rm"], a["rv"], None, a["bb"], True, 0.25, return_stats=True),
+            ("rm", "rv")),
+        "batch_norm_eval": (bn, "_batch_norm", lambda m, a: m.batch_norm(
+            a["xb"], a["rm"], a["rv"], a["wb"], a["bb"]), ()),
+        "batch_norm_backward": (bn, "_batch_norm_backward", lambda m, a: m.batch_norm_backward(
+            a["dyb"], a["xb"], a["bmean"], a["binvstd"], a["wb"]), ()),
+        "batch_norm_backward_masked": (bn, "_batch_norm_backward",
+                                       lambda m, a: m.batch_norm_backward(
+            a["dyb"], a["xb"], a["bmean"], a["binvstd"], None, mask=a["mask"], addend=True,
+            training=False), ()),
+        "batch_stats": (bn, "_batch_stats", lambda m, a: m.batch_stats(a["xb"]), ()),
+        "batch_stats_channels_last": (bn, "_batch_stats",
+                                      lambda m, a: m.batch_stats(a["xh"], axis=-1), ()),
+        "permute": (pm, "_run", lambda m, a: m.permute(a["x3"], (2, 0, 1)), ()),
+        "to_nhwc": (pm, "_run", lambda m, a: m.to_nhwc(a["xb"]), ()),
+        "to_nchw": (pm, "_run", lambda m, a: m.to_nchw(a["xh"]), ()),
+    }
+
+
+CASE_NAMES = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward",
+              "layer_norm", "layer_norm_stats", "rms_norm", "layer_norm_backward",
+              "rms_norm_backward", "batch_norm_training", "batch_norm_fused",
+              "batch_norm_channels_last", "batch_norm_eval", "batch_norm_backward",
+              "batch_norm_backward_masked", "batch_stats", "batch_stats_channels_last",
+              "permute", "to_nhwc", "to_nchw"]
+
+
+def test_case_names_cover_the_table():
+    assert CASE_NAMES == list(_cases())
+
+
+def _kinds(torch, host: dict):
+    """The host arrays as new CuPy arrays and as new PyTorch tensors on the GPU."""
+    return ({k: cp.asarray(v) for k, v in host.items()},
+            {k: torch.from_numpy(v.copy()).cuda() for k, v in host.items()})
+
+
+def _results(res, arrays: dict, inplace) -> list:
+    """An op's results as a list, then the arrays it wrote in place."""
+    return (list(res) if isinstance(res, tuple) else [res]) + [arrays[k] for k in inplace]
+
+
+def _same_as_cupy(torch, got, want, device) -> None:
+    """Tensors on ``device`` with the CuPy results' dtypes, shapes, strides and bits."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, i
+            continue
+        assert isinstance(g, torch.Tensor) and g.device == device, (i, type(g))
+        gn, wn = g.cpu().numpy(), cp.asnumpy(w)
+        assert (gn.dtype, gn.shape) == (wn.dtype, wn.shape), i
+        assert tuple(g.stride()) == tuple(s // w.itemsize for s in w.strides), i
+        assert gn.tobytes() == wn.tobytes(), f"result {i} differs from the CuPy call's"
+
+
+def _close_to_ref(got, ref) -> None:
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if g is None or r is None or not g.dtype.is_floating_point:
+            continue
+        g64 = g.cpu().numpy().astype(np.float64)
+        r64 = np.asarray(r, np.float64).reshape(g64.shape)
+        err = np.linalg.norm((g64 - r64).ravel()) / max(np.linalg.norm(r64.ravel()), 1e-30)
+        assert err <= 1e-5, f"result {i}: relative error {err:.3g} against float64"
+
+
+def _count_full_path(monkeypatch, mod, full) -> list:
+    """Records each call of ``mod.full`` (the op's validating path) in the list returned."""
+    calls = []
+    orig = getattr(mod, full)
+    monkeypatch.setattr(mod, full, lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_same_stream_tensors_take_the_fast_path(name, rng, monkeypatch):
+    """A tensor call plans once, fills the op's fast-path cache, and a repeated call of the
+    layout (fresh data) takes it; a CuPy call of that layout finds the same entry; results are
+    tensors on the input's GPU with the CuPy call's bits (in-place running statistics
+    included) and within float32 rounding of the float64 reference."""
+    from cukern import runner
+
+    torch = _torch()
+    mod, full, call, inplace = _cases()[name]
+    calls = _count_full_path(monkeypatch, mod, full)
+    monkeypatch.setattr(mod, "_fresh", runner.BoundedDict())
+    ref = _ref()
+    for rep in range(2):  # the first call validates and plans, the second takes the fast path
+        host = _host(rng)
+        arrays, tensors = _kinds(torch, host)
+        got = _results(call(cukern, tensors), tensors, inplace)
+        device = tensors["x"].device
+        assert len(calls) == 1, f"call {rep + 1}: the full path ran {len(calls)} times"
+        assert len(mod._fresh) == 1
+        want = _results(call(cukern, arrays), arrays, inplace)
+        assert len(calls) == 1  # one key for both kinds: the CuPy call found the entry
+        _same_as_cupy(torch, got, want, device)
+        on_host = {k: v.copy() for k, v in host.items()}
+        _close_to_ref(got, _results(call(ref, on_host), on_host, inplace))
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_tensors_on_a_side_stream_are_exchanged_in_order(name, rng, monkeypatch):
+    """With the layout's fast path ready, tensors made on a side stream take the full path
+    (the DLPack handshake), and results and running statistics read on that stream right after
+    the call are complete, though CuPy's stream was kept busy."""
+    torch = _torch()
+    mod, full, call, inplace = _cases()[name]
+    host = _host(rng)
+    for _ in range(2):
+        call(cukern, _kinds(torch, host)[1])  # on the default stream: the fast path is ready
+    arrays, tensors = _kinds(torch, host)
+    calls = _count_full_path(monkeypatch, mod, full)
+
+    def on_side_stream():
+        made = {k: v * 1 for k, v in tensors.items()}  # made on the side stream
+        return tuple(_results(call(cukern, made), made, inplace))
+
+    _, snapshot = _delayed(torch, on_side_stream)
+    assert len(calls) == 1  # the streams differ: not the fast path
+    want = _results(call(cukern, arrays), arrays, inplace)
+    _same_as_cupy(torch, list(snapshot), want, tensors["x"].device)
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_tensors_requiring_grad_are_refused_beside_the_fast_path(name, rng):
+    """With the layout's fast path ready, the same call with tensors that require grad still
+    meets the full path's TypeError, and writes nothing (running statistics unchanged)."""
+    torch = _torch()
+    _, _, call, inplace = _cases()[name]
+    host = _host(rng)
+    for _ in range(2):
+        call(cukern, _kinds(torch, host)[1])
+    tensors = {k: v.requires_grad_() if v.is_floating_point() else v
+               for k, v in _kinds(torch, host)[1].items()}
+    with pytest.raises(TypeError, match=r"is a PyTorch tensor that requires grad"):
+        call(cukern, tensors)
+    for k in inplace:
+        np.testing.assert_array_equal(tensors[k].detach().cpu().numpy(), host[k])

@@ -8,7 +8,7 @@ import numpy as np
 from .. import runner as c
 
 __all__ = ["normalized_shape", "param", "stat_dtype", "check_stat", "rows_view",
-           "check_out_overlap"]
+           "check_out_overlap", "typed", "fresh_key", "uncopied"]
 
 
 def normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
@@ -88,3 +88,47 @@ def check_out_overlap(op: str, o, x, r, w, b) -> None:
         if a is not None and c.cp.may_share_memory(a, o):
             raise ValueError(f"{op}: out overlaps {name}; pass a separate array (only x itself "
                              f"may be written in place)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast paths' keys.
+
+def _sig(a):
+    """What a fast-path key needs of an optional CuPy array argument (None: not one)."""
+    if a is None:
+        return ()
+    if type(a) is not c.cp.ndarray:
+        return None
+    return (a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr & 15)
+
+
+def typed(v):
+    """A value with its type (and its items' types), so that True and 1, or 1 and 1.0, never
+    share a fast-path key: the validation they would skip tells them apart."""
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(typed(i) for i in v))
+    return (type(v), v)
+
+
+def fresh_key(op: str, args, extra: tuple):
+    """The fast-path key of a call (None when an argument rules the fast path out): ``args``
+    are the CuPy arrays (or None) the kernels would read, a PyTorch tensor's CuPy view for it."""
+    sigs = []
+    for a in args:
+        sig = _sig(a)
+        if sig is None:
+            return None
+        sigs.append(sig)
+    key = (op, *sigs, *extra)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument (a list for normalized_shape, say)
+        return None
+    return key
+
+
+def uncopied(a, given) -> bool:
+    """Whether ``a``, the checked array the kernels read, is the caller's ``given`` as it was:
+    the same CuPy array (or both None), or the CuPy view of a PyTorch tensor (its memory, no
+    contiguous copy): what the fast path, which reads ``given`` (or its view), needs."""
+    return a is given or (type(given).__module__ == "torch" and a.data.ptr == given.data_ptr())

@@ -14,11 +14,13 @@ from .. import runner as c
 from ..plan import batch_norm as bnplan
 from .batch_norm_args import (
     _axis,
+    _backward_key,
     _check_out,
     _compute_copy,
     _copy_like,
     _empty_like,
     _flag,
+    _fresh_key,
     _momentum,
     _param_dtypes,
     _same_layout,
@@ -29,28 +31,26 @@ from .batch_norm_args import (
     check_statistics,
 )
 from .batch_norm_launch import (
-    _NULL,
-    _arg,
-    _flat_args,
     _Forward,
     _Kernel,
     _last,
     _Launches,
-    _plane_args,
-    _stats,
+    backward_launch,
+    stats_launch,
 )
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "last_plan"]
 
 _launches: dict[tuple, _Launches] = c.BoundedDict()
-# The fast path: a CuPy call whose arrays' layouts and scalars' types the full path validated
-# and planned before (_fresh_key) -> its launches.
-_fresh: dict[tuple, _Forward] = c.BoundedDict()
-# eps the fast path takes as it is: what c.check_eps accepts for every dtype (float32's normal
-# range); any other goes through the full checks
-_EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
+# The fast paths: a CuPy call (or one of PyTorch tensors on CuPy's stream, through their CuPy
+# views) whose arrays' layouts and scalars' types the full path validated and planned before
+# -> its launches: batch_norm's key (_fresh_key) -> _Forward; batch_norm_backward's
+# (_backward_key) and batch_stats' (("batch_stats", x's layout, axis)) -> (plan, steps, device).
+_fresh: dict[tuple, object] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
+_torch_view, _torch_views, _to_torch = c.torch_view, c.torch_views, c.to_torch
+_fast_arrays = c.fast_arrays
 
 
 def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -124,15 +124,41 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
     TypeError
         Host (NumPy) or integer arrays, parameters of another dtype.
     """
-    if out is None and type(x) is _ndarray:
-        key = _fresh_key(x, running_mean, running_var, weight, bias, addend, axis, training,
-                         relu, return_stats, momentum, eps)
-        fwd = _fresh.get(key) if key is not None else None
-        if fwd is not None and fwd.device == _get_device():
-            return fwd.fresh(x, running_mean, running_var, weight, bias, addend, momentum, eps,
-                             return_stats)
+    if out is None:
+        if type(x) is _ndarray:
+            key = _fresh_key(x, running_mean, running_var, weight, bias, addend, axis, training,
+                             relu, return_stats, momentum, eps)
+            fwd = _fresh.get(key) if key is not None else None
+            if fwd is not None and fwd.device == _get_device():
+                return fwd.fresh(x, running_mean, running_var, weight, bias, addend, momentum,
+                                 eps, return_stats)
+        elif type(x).__module__ == "torch":
+            y = _fast_torch(x, running_mean, running_var, weight, bias, addend, axis, training,
+                            relu, return_stats, momentum, eps)
+            if y is not None:
+                return y
     return _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps,
                        axis, addend, relu, return_stats, out)
+
+
+def _fast_torch(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps):
+    """batch_norm's fast path for PyTorch tensors on CuPy's current stream (every array one):
+    their CuPy views through the CuPy fast path (the running statistics updated in the
+    tensors' memory), the results as tensors; None where it does not apply."""
+    views = _torch_views((x, rm, rv, w, b, z))
+    if views is None:
+        return None
+    xv, rm, rv, w, b, z = views
+    key = _fresh_key(xv, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps)
+    fwd = _fresh.get(key) if key is not None else None
+    if fwd is None or fwd.device != _get_device():
+        return None
+    res = fwd.fresh(xv, rm, rv, w, b, z, momentum, eps, return_stats)
+    if not return_stats:
+        return _to_torch(res)
+    y, mean, invstd, mask = res
+    return (_to_torch(y), _to_torch(mean), _to_torch(invstd),
+            None if mask is None else _to_torch(mask))
 
 
 @c.capture_safe
@@ -202,13 +228,17 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
             if hit.fwd is None:
                 hit.fwd = _Forward(plan, steps, dev, relu, want_mask)
             hit.fwd(xw, zw, y, mask, mean, invstd, rm_k, rv_k, w_k, b_k, momentum, eps)
-            if (o is None and not copied and not (rm_back or rv_back) and w_k is w
-                    and b_k is b and all(a is None or type(a) is _ndarray for a in
-                                         (x, running_mean, running_var, weight, bias, addend))):
-                key = _fresh_key(x, running_mean, running_var, weight, bias, addend, raw_axis,
-                                 training, relu, return_stats, momentum, eps)
-                if key is not None:
-                    _fresh[key] = hit.fwd
+            if o is None and not copied and not (rm_back or rv_back) and w_k is w and b_k is b:
+                given = (x, running_mean, running_var, weight, bias, addend)
+                # the fast path's key, of the arrays the kernels read (the CuPy arguments, or
+                # the views of PyTorch tensors on CuPy's stream): only where every array is one
+                if all(a is None or type(a) is _ndarray for a in given) or (
+                        ax.same_stream and all(a is None or type(a).__module__ == "torch"
+                                               for a in given)):
+                    key = _fresh_key(xa, rm, rv, w, b, z, raw_axis, training, relu,
+                                     return_stats, momentum, eps)
+                    if key is not None:
+                        _fresh[key] = hit.fwd
             if training:
                 if rm_back:
                     rm[...] = rm_k
@@ -226,7 +256,6 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
     return y, wrap(mean), wrap(invstd), (wrap(mask) if mask is not None else None)
 
 
-@c.capture_safe
 def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask=None,
                         addend: bool = False, training: bool = True):
     """Gradients of :func:`batch_norm` given the gradient ``dy`` of its output.
@@ -266,6 +295,28 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     daddend: x's shape, dtype and memory layout. dweight, dbias: (C,), weight's dtype when
     given, else float32 (float64 for float64 x); returned also without a weight.
     """
+    args = _fast_arrays(x, (dy, x, mean, invstd, weight, mask))  # CuPy, or tensors' views
+    key = _backward_key(*args, axis, addend, training) if args is not None else None
+    hit = _fresh.get(key) if key is not None else None
+    if hit is not None and hit[2] == _get_device():
+        plan, steps = hit[0], hit[1]
+        dyv, xv, mu, ist, w, m = args
+        sdt = _stat_dtype(plan.dtype)
+        nch = plan.view.channels
+        dx = _empty_like(xv)
+        da = _empty_like(xv) if addend else None
+        dwt, dbs = c.cp.empty((nch,), sdt), c.cp.empty((nch,), sdt)
+        backward_launch(plan, steps, dyv, xv, m, mu, ist, w, dx, da, dwt, dbs, training)
+        _last["batch_norm_backward"] = plan
+        res = (dx, dwt, dbs, da) if addend else (dx, dwt, dbs)
+        return res if xv is x else tuple([_to_torch(r) for r in res])
+    return _batch_norm_backward(dy, x, mean, invstd, weight, axis, mask, addend, training, key)
+
+
+@c.capture_safe
+def _batch_norm_backward(dy, x, mean, invstd, weight, axis, mask, addend, training, fresh_key):
+    """batch_norm_backward's full path: validation, planning (once per layout), launches; fills
+    the fast path (``fresh_key``: its key of the call, None where it does not apply)."""
     fn = "batch_norm_backward"
     ax = c.adapt(fn, "x", x)
     xa = ax.array
@@ -298,6 +349,9 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
                              f"{xa.data.device_id}")
     wdt = w.dtype if w is not None else np.dtype(sdt)
     dev = xa.data.device_id
+    # the fast path reads its arguments as they are: only calls that need no copies fill it
+    fresh = fresh_key is not None and mu.flags.c_contiguous and ist.flags.c_contiguous and (
+        m is None or m.flags.c_contiguous)
     with c.on_device(dev):  # copies, outputs, plans and launches on x's GPU
         mu, ist = c.cp.ascontiguousarray(mu), c.cp.ascontiguousarray(ist)
         if m is not None and not m.flags.c_contiguous:
@@ -316,22 +370,10 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
             arrays = [xw, dyw, dx, da]
             plan, steps, _ = _get_plan("batch_norm_backward", dtype, dev, view, arrays, copied,
                                     training=training, addend=addend, mask=m is not None)
-            a_, ch, inner = view
-            part = c.cp.empty((ch, plan.splits, 2), sdt) if plan.splits > 1 else None
-            coef = c.cp.empty((nch, 4), sdt)
-            finish = (sdt(a_ * inner), np.int32(training), ist, _arg(w_k), dwt, dbs, coef)
-            red = steps[0]
-            if plan.layout == bnplan.PLANES:
-                red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch),
-                    *_plane_args(plan), np.int32(plan.splits), *finish)
-            else:
-                red(dyw, xw, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch // red.pack),
-                    np.int32(plan.splits), *finish)
-            if steps[1].kind == "grad_finalize":
-                steps[1](part, np.int32(plan.splits), np.int32(ch), mu, *finish)
-            steps[-1](dyw, xw if training else _NULL, _arg(m), coef, dx, _arg(da),
-                      *_flat_args(plan))
+            backward_launch(plan, steps, dyw, xw, m, mu, ist, w_k, dx, da, dwt, dbs, training)
             _last["batch_norm_backward"] = plan
+            if fresh and not copied and dyw is dya and w_k is w:
+                _fresh[fresh_key] = (plan, steps, dev)
         if wdt != dwt.dtype:
             dwt, dbs = dwt.astype(wdt), dbs.astype(wdt)
     wrap = ax.wrap
@@ -339,7 +381,6 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     return res + (wrap(da),) if addend else res
 
 
-@c.capture_safe
 def batch_stats(x, *, axis: int = 1):
     """Per-channel batch mean and biased variance of ``x`` over every axis but ``axis``::
 
@@ -359,6 +400,28 @@ def batch_stats(x, *, axis: int = 1):
     -------
     ``(mean, var)``, each of shape (C,), float32 (float64 for float64 x).
     """
+    key = None
+    if type(axis) is int:
+        xv = x if type(x) is _ndarray else (
+            _torch_view(x) if type(x).__module__ == "torch" else None)
+        if xv is not None:
+            key = ("batch_stats", xv.dtype, xv.shape, xv.strides, xv.data.ptr & 15,
+                   xv.data.device_id, axis)
+            hit = _fresh.get(key)
+            if hit is not None and hit[2] == _get_device():
+                plan = hit[0]
+                sdt = _stat_dtype(plan.dtype)
+                mean = c.cp.empty((plan.view.channels,), sdt)
+                var = c.cp.empty((plan.view.channels,), sdt)
+                stats_launch(plan, hit[1], xv, mean, var)
+                _last["batch_stats"] = plan
+                return (mean, var) if xv is x else (_to_torch(mean), _to_torch(var))
+    return _batch_stats(x, axis, key)
+
+
+@c.capture_safe
+def _batch_stats(x, axis, fresh_key):
+    """batch_stats' full path; fills the fast path (``fresh_key``: its key, or None)."""
     fn = "batch_stats"
     ax = c.adapt(fn, "x", x)
     xa = ax.array
@@ -376,13 +439,10 @@ def batch_stats(x, *, axis: int = 1):
         if xa.size:
             xw, view, copied = _working(xa, axis)
             plan, steps, _ = _get_plan("batch_stats", dtype, dev, view, [xw], copied)
-            a_, ch, inner = view
-            finish = (sdt(a_ * inner), np.int32(1), _NULL, _NULL, _NULL, _NULL, sdt(0), sdt(1),
-                      mean, _NULL, var, _NULL)
-            part = _stats(steps[0], xw, plan, view, finish)
-            if len(steps) > 1:
-                steps[1](part, np.int32(plan.splits), np.int32(ch), *finish)
+            stats_launch(plan, steps, xw, mean, var)
             _last["batch_stats"] = plan
+            if fresh_key is not None and not copied and (ax.kind == "cupy" or ax.same_stream):
+                _fresh[fresh_key] = (plan, steps, dev)
     return ax.wrap(mean), ax.wrap(var)
 
 
@@ -393,29 +453,6 @@ def last_plan(op: str):
 
 # ---------------------------------------------------------------------------------------------
 # The fast path's key and the launch cache.
-
-def _param_key(a):
-    return None if a is None else (type(a) is _ndarray, a.dtype, a.shape, a.strides,
-                                   a.data.device_id)
-
-
-def _fresh_key(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps):
-    """The fast path's key of a call (None where its scalars need the full checks): what the
-    full path validated and planned for, every array's dtype, shape, strides and device, x's
-    and the addend's alignment."""
-    if not (type(axis) is int and type(training) is bool and type(relu) is bool
-            and type(return_stats) is bool and type(momentum) is float
-            and type(eps) is float and 0.0 <= momentum <= 1.0 and _EPS_LO <= eps <= _EPS_HI):
-        return None
-    zk = None
-    if z is not None:
-        if type(z) is not _ndarray:
-            return None
-        zk = (z.dtype, z.shape, z.strides, z.data.ptr & 15, z.data.device_id)
-    return (x.dtype, x.shape, x.strides, x.data.ptr & 15, x.data.device_id, axis, training,
-            relu, return_stats, _param_key(rm), _param_key(rv), _param_key(w), _param_key(b),
-            zk)
-
 
 def _get_plan(op, dtype, dev, view, arrays, copied, **switches):
     align = c.align_elems(bnplan.ITEMSIZE[dtype],

@@ -152,3 +152,57 @@ def _copy_like(src, like):
     dst = _empty_like(like)
     dst[...] = src
     return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast paths' keys (cukern.ops.batch_norm).
+
+_ndarray = c.cp.ndarray if c.cp is not None else None
+# eps the fast path takes as it is: what c.check_eps accepts for every dtype (float32's normal
+# range); any other goes through the full checks
+_EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
+
+
+def _param_key(a):
+    """An optional per-channel array's part of a key: None for None, False (no key) for an
+    array that is not CuPy (a tensor's CuPy view is)."""
+    if a is None:
+        return None
+    if type(a) is not _ndarray:
+        return False
+    return (a.dtype, a.shape, a.strides, a.data.device_id)
+
+
+def _fresh_key(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps):
+    """batch_norm's fast-path key of a call (None where its scalars or a non-CuPy array need
+    the full checks): what the full path validated and planned for, every array's dtype,
+    shape, strides and device, x's and the addend's alignment."""
+    if not (type(axis) is int and type(training) is bool and type(relu) is bool
+            and type(return_stats) is bool and type(momentum) is float
+            and type(eps) is float and 0.0 <= momentum <= 1.0 and _EPS_LO <= eps <= _EPS_HI):
+        return None
+    zk = None
+    if z is not None:
+        if type(z) is not _ndarray:
+            return None
+        zk = (z.dtype, z.shape, z.strides, z.data.ptr & 15, z.data.device_id)
+    params = (_param_key(rm), _param_key(rv), _param_key(w), _param_key(b))
+    if False in params:
+        return None
+    return (x.dtype, x.shape, x.strides, x.data.ptr & 15, x.data.device_id, axis, training,
+            relu, return_stats, params, zk)
+
+
+def _backward_key(dy, x, mean, invstd, w, m, axis, addend, training):
+    """batch_norm_backward's fast-path key (None where the full checks are needed): every
+    array CuPy (a tensor's view), its dtype, shape, strides and device, dy's and x's
+    alignment, the switches as given."""
+    if not (type(axis) is int and type(addend) is bool and type(training) is bool
+            and type(dy) is _ndarray and type(mean) is _ndarray and type(invstd) is _ndarray):
+        return None
+    arrays = (_param_key(mean), _param_key(invstd), _param_key(w), _param_key(m))
+    if False in arrays:
+        return None
+    return ("batch_norm_backward", x.dtype, x.shape, x.strides, x.data.ptr & 15,
+            x.data.device_id, dy.dtype, dy.shape, dy.strides, dy.data.ptr & 15,
+            dy.data.device_id, arrays, axis, addend, training)

@@ -142,3 +142,38 @@ def _flat_args(plan):
 
 def _arg(a):
     return _NULL if a is None else a
+
+
+def backward_launch(plan, steps, dy, x, m, mu, ist, w, dx, da, dwt, dbs, training: bool) -> None:
+    """batch_norm_backward's launches (its full path's and its fast path's): the gradient sums
+    per channel into ``dwt``, ``dbs`` and the coefficients (partials and their merge where the
+    plan splits channels), then ``dx`` (and ``da``); the temporaries kept while capturing."""
+    a_, ch, inner = plan.view
+    sdt = _stat_dtype(plan.dtype)
+    part = c.cp.empty((ch, plan.splits, 2), sdt) if plan.splits > 1 else None
+    coef = c.cp.empty((ch, 4), sdt)
+    c.keep(part, coef)  # a captured graph writes them on every replay
+    finish = (sdt(a_ * inner), np.int32(training), ist, _arg(w), dwt, dbs, coef)
+    red = steps[0]
+    if plan.layout == bnplan.PLANES:
+        red(dy, x, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
+            np.int32(plan.splits), *finish)
+    else:
+        red(dy, x, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch // red.pack),
+            np.int32(plan.splits), *finish)
+    if steps[1].kind == "grad_finalize":
+        steps[1](part, np.int32(plan.splits), np.int32(ch), mu, *finish)
+    steps[-1](dy, x if training else _NULL, _arg(m), coef, dx, _arg(da), *_flat_args(plan))
+
+
+def stats_launch(plan, steps, xw, mean, var) -> None:
+    """batch_stats' launches (its full path's and its fast path's) into ``mean`` and ``var``;
+    the partial states kept while capturing."""
+    a_, ch, inner = plan.view
+    sdt = _stat_dtype(plan.dtype)
+    finish = (sdt(a_ * inner), np.int32(1), _NULL, _NULL, _NULL, _NULL, sdt(0), sdt(1), mean,
+              _NULL, var, _NULL)
+    part = _stats(steps[0], xw, plan, plan.view, finish)
+    c.keep(part)
+    if len(steps) > 1:
+        steps[1](part, np.int32(plan.splits), np.int32(ch), *finish)

@@ -12,30 +12,27 @@ from .. import registry
 from .. import runner as c
 from ._norm_args import check_out_overlap as _check_out_overlap
 from ._norm_args import check_stat as _check_stat
+from ._norm_args import fresh_key as _fresh_key
 from ._norm_args import normalized_shape as _normalized_shape
 from ._norm_args import param as _param
 from ._norm_args import rows_view as _rows_view
 from ._norm_args import stat_dtype as _stat_dtype
+from ._norm_args import typed as _typed
+from ._norm_args import uncopied as _uncopied
 
 __all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
 _NULL = np.uint64(0)  # a null pointer argument
 _launches: dict[tuple, _Launches] = c.BoundedDict()
-# Fast path: calls with CuPy arrays whose every argument (shapes, strides, dtypes, devices,
-# pointer alignment, eps, switches) matches an earlier, validated call that needed no copies
-# skip validation and planning. Key -> (launches, lead shape, statistics dtype, eps scalar).
+# Fast path: calls with CuPy arrays (or PyTorch tensors on CuPy's current stream, through their
+# CuPy views) whose every argument (shapes, strides, dtypes, devices, pointer alignment, eps,
+# switches) matches an earlier, validated call that needed no copies skip validation and
+# planning. Key -> (launches, lead shape, statistics dtype, eps scalar); a backward's
+# (launches, normalized shape).
 _fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: dict[str, _plan.Plan] = {}  # op -> the plan of its latest call (last_plan)
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-
-
-def _sig(a):
-    """What a fast-path key needs of an optional CuPy array argument (None: not one)."""
-    if a is None:
-        return ()
-    if type(a) is not c.cp.ndarray:
-        return None
-    return (a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr & 15)
+_fast_arrays, _to_torch = c.fast_arrays, c.to_torch
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
@@ -179,51 +176,36 @@ class _Launches:
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
-def _typed(v):
-    """A value with its type (and its items' types), so that True and 1, or 1 and 1.0, never
-    share a fast-path key: the validation they would skip tells them apart."""
-    if isinstance(v, (tuple, list)):
-        return (type(v), tuple(_typed(i) for i in v))
-    return (type(v), v)
-
-
-def _fresh_key(op: str, args: tuple, extra: tuple):
-    """The fast-path key of a call (None when an argument rules the fast path out)."""
-    sigs = []
-    for a in args:
-        sig = _sig(a)
-        if sig is None:
-            return None
-        sigs.append(sig)
-    key = (op, *sigs, *extra)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable argument (a list for normalized_shape, say)
-        return None
-    return key
-
-
 def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_stats, out):
-    if residual is None and out is None and type(x) is c.cp.ndarray:
-        key = _fresh_key(op, (x, weight, bias),
-                         (_typed(normalized_shape), _typed(eps), _typed(return_stats)))
-        hit = _fresh.get(key) if key is not None else None
-        if hit is not None and x.data.device_id == _get_device():
-            launch, lead, sdt, eps_c = hit
-            y = c.cp.empty(x.shape, x.dtype)
-            layer = op == "layer_norm"
-            mean = c.cp.empty(lead, sdt) if return_stats and layer else None
-            rstd = c.cp.empty(lead, sdt) if return_stats else None
-            launch.main(x, _NULL, _arg(weight), _arg(bias), y, _NULL, _arg(mean), _arg(rstd),
-                        eps_c)
-            _last[op] = launch.main.plan
-            if not return_stats:
-                return y
-            return (y, mean, rstd) if layer else (y, rstd)
-    else:
-        key = None
+    key = None
+    if residual is None and out is None:
+        args = _fast_arrays(x, (x, weight, bias))  # CuPy arrays, or same-stream tensors' views
+        if args is not None:
+            key = _fresh_key(op, args,
+                             (_typed(normalized_shape), _typed(eps), _typed(return_stats)))
+            hit = _fresh.get(key) if key is not None else None
+            xv = args[0]
+            if hit is not None and xv.data.device_id == _get_device():
+                launch, lead, sdt, eps_c = hit
+                y = c.cp.empty(xv.shape, xv.dtype)
+                layer = op == "layer_norm"
+                mean = c.cp.empty(lead, sdt) if return_stats and layer else None
+                rstd = c.cp.empty(lead, sdt) if return_stats else None
+                launch.main(xv, _NULL, _arg(args[1]), _arg(args[2]), y, _NULL, _arg(mean),
+                            _arg(rstd), eps_c)
+                _last[op] = launch.main.plan
+                res = ((y, mean, rstd) if layer else (y, rstd)) if return_stats else y
+                return res if xv is x else _as_torch(res)
     return _forward_checked(op, x, normalized_shape, weight, bias, eps, residual, return_stats,
                             out, key)
+
+
+def _as_torch(res):
+    """A fast path's CuPy results (an array, or a tuple of arrays and Nones) as PyTorch
+    tensors (:func:`cukern.runner.to_torch`: its inputs were on CuPy's stream)."""
+    if type(res) is not tuple:
+        return _to_torch(res)
+    return tuple([None if r is None else _to_torch(r) for r in res])
 
 
 @c.capture_safe
@@ -284,7 +266,8 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
             if yv is not y:
                 y[...] = yv
             _last[op] = launch.main.plan
-            if fresh_key is not None and xv is xa and w is weight and b is bias:  # no copies
+            if (fresh_key is not None and xv is xa and _uncopied(w, weight)
+                    and _uncopied(b, bias)):  # no copies: the fast path reads the arguments
                 _fresh[fresh_key] = (launch, lead, sdt, sdt(eps))
         elif rows and return_stats:  # nothing to normalise: the statistics of no values
             rstd.fill(np.nan)
@@ -307,19 +290,24 @@ def _arg(a):
 
 def _backward(op: str, dy, x, mean, rstd, weight, bias):
     key = None
-    if type(x) is c.cp.ndarray and (bias is None or weight is not None):
-        key = _fresh_key(op, (dy, x, mean, rstd, weight, bias), ())
-        hit = _fresh.get(key) if key is not None else None
-        if hit is not None and x.data.device_id == _get_device():
-            launch, ns = hit[0], hit[1]
-            dx = c.cp.empty(x.shape, x.dtype)
-            layer = op == "layer_norm_backward"
-            dw = db = None
-            if weight is not None:
-                dw = c.cp.empty(ns, x.dtype)
-                db = c.cp.empty(ns, x.dtype) if layer else None
-            _launch_backward(launch, layer, dy, x, mean, rstd, weight, dx, dw, db)
-            return (dx, dw, db) if layer else (dx, dw)
+    if bias is None or weight is not None:
+        args = _fast_arrays(x, (dy, x, mean, rstd, weight, bias))
+        if args is not None:
+            key = _fresh_key(op, args, ())
+            hit = _fresh.get(key) if key is not None else None
+            xv = args[1]
+            if hit is not None and xv.data.device_id == _get_device():
+                launch, ns = hit[0], hit[1]
+                dx = c.cp.empty(xv.shape, xv.dtype)
+                layer = op == "layer_norm_backward"
+                dw = db = None
+                if weight is not None:
+                    dw = c.cp.empty(ns, xv.dtype)
+                    db = c.cp.empty(ns, xv.dtype) if layer else None
+                _launch_backward(launch, layer, args[0], xv, args[2], args[3], args[4], dx, dw,
+                                 db)
+                res = (dx, dw, db) if layer else (dx, dw)
+                return res if xv is x else _as_torch(res)
     return _backward_checked(op, dy, x, mean, rstd, weight, bias, key)
 
 
@@ -411,8 +399,8 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, bias, fresh_key, sums_
                     [sx, sdy], sw)
             _launch_backward(launch, layer, dyv, xv, stats.get("mean"), stats["rstd"], w, dx,
                              dw, db)
-            no_copies = dyv is dya and xv is xa and w is weight and \
-                stats["rstd"] is rstd and (not layer or stats["mean"] is mean)
+            no_copies = dyv is dya and xv is xa and _uncopied(w, weight) and \
+                _uncopied(stats["rstd"], rstd) and (not layer or _uncopied(stats["mean"], mean))
             if fresh_key is not None and no_copies:
                 _fresh[fresh_key] = (launch, ns)
         elif w is not None:

@@ -13,12 +13,14 @@ __all__ = ["permute", "to_nhwc", "to_nchw", "plan_for", "run_plan", "last_plan",
            "check_dtype", "nhwc_axes", "nchw_axes"]
 
 _launches: dict[tuple, _Launch] = c.BoundedDict()
-# The fast path: (shape, strides, dtype, axes, pointer alignment, device) of a CuPy input
-# already validated and planned with a fresh C-contiguous output -> (Launch, output shape).
+# The fast path: (shape, strides, dtype, axes, pointer alignment, device) of a CuPy input (or a
+# PyTorch tensor's view, on CuPy's stream) already validated and planned with a fresh
+# C-contiguous output -> (Launch, output shape).
 _fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: list = [None]  # the plan of the latest launch
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
+_torch_view, _to_torch = c.torch_view, c.to_torch
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel may use without opting in
 
 
@@ -61,8 +63,8 @@ def permute(x, axes=None, *, out=None):
         Rank over 8, axes not a permutation (wrong length, out of range, repeated), out of
         another shape or device, out with overlapping elements or overlapping x.
     """
-    if out is None and type(x) is _ndarray:
-        y = _fast(x, axes)
+    if out is None:
+        y = _fast(x, axes) if type(x) is _ndarray else _fast_torch(x, axes)
         if y is not None:
             return y
     return _run("permute", x, axes, out)
@@ -88,6 +90,11 @@ def _convert(fn: str, x, axes_of, layout: str, out):
             y = _fast(x, axes_of(nd))
             if y is not None:
                 return y
+    elif type(x).__module__ == "torch" and out is None and 3 <= x.ndim <= 5:
+        y = _fast_torch(x, axes_of(x.ndim))
+        if y is not None:
+            return y
+        nd = x.ndim
     else:
         nd = c.adapt(fn, "x", x).array.ndim
     if not 3 <= nd <= 5:
@@ -110,6 +117,16 @@ def _fast(x, axes):
     y = c.cp.empty(hit[1], x.dtype)
     hit[0](x, y)
     return y
+
+
+def _fast_torch(x, axes):
+    """:func:`_fast` for a PyTorch tensor on CuPy's current stream, the result as a tensor;
+    None otherwise."""
+    if type(x).__module__ != "torch":
+        return None
+    v = _torch_view(x)
+    y = _fast(v, axes) if v is not None else None
+    return _to_torch(y) if y is not None else None
 
 
 def nhwc_axes(ndim: int) -> tuple[int, ...]:
@@ -208,7 +225,9 @@ def _run(fn: str, x, axes, out):
             launch = _get_launch(xa, y, axes)
             launch(xa, y)
             _last[0] = launch.plan
-            if o is None and ax.kind == "cupy" and x is xa and _plain(given):
+            # x itself (or a same-stream tensor's view), not a copy _validate made
+            if (o is None and (x is xa or ax.same_stream and xa is ax.array)
+                    and _plain(given)):
                 _fresh[(xa.shape, xa.strides, xa.dtype, given, xa.data.ptr & 15, dev)] = \
                     (launch, out_shape)
         if out is not None:

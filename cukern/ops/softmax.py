@@ -11,10 +11,13 @@ __all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward"]
 
 _launches: dict[tuple, c.Launch] = c.BoundedDict()
 # The fast path: (op, axis, shape, strides, dtype, pointer alignment, device) of a CuPy input
-# already validated and planned with a fresh C-contiguous output -> its Launch.
+# already validated and planned with a fresh C-contiguous output -> its Launch; a backward's
+# key (_key2) has both inputs' shapes, strides, dtypes and devices. PyTorch tensors on CuPy's
+# current stream take it through their CuPy views (_interop.torch_view).
 _fresh: dict[tuple, c.Launch] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
+_torch_view, _torch_views, _to_torch = c.torch_view, c.torch_views, c.to_torch
 
 
 def softmax(x, axis: int = -1, *, out=None):
@@ -75,6 +78,10 @@ def softmax_backward(dy, y, axis: int = -1, *, out=None):
     and device. Returns ``dx`` like :func:`softmax` returns ``y``; ``out=`` as there (it may
     be ``dy`` or ``y`` itself).
     """
+    if out is None and type(axis) is int:
+        dx = _fast_backward("softmax_backward", y, dy, axis)
+        if dx is not None:
+            return dx
     return _run("softmax_backward", ("y", "dy"), (y, dy), axis, out)  # the kernels' order
 
 
@@ -84,6 +91,10 @@ def log_softmax_backward(dy, y, axis: int = -1, *, out=None):
     ``dy`` is the gradient with respect to the log-softmax output ``y``; as
     :func:`softmax_backward`.
     """
+    if out is None and type(axis) is int:
+        dx = _fast_backward("log_softmax_backward", y, dy, axis)
+        if dx is not None:
+            return dx
     return _run("log_softmax_backward", ("y", "dy"), (y, dy), axis, out)  # the kernels' order
 
 
@@ -102,9 +113,36 @@ def _fast_torch(op: str, x, axis: int):
     """:func:`_fast` for a PyTorch tensor on CuPy's current stream (None otherwise)."""
     if type(x).__module__ != "torch":
         return None
-    v = c.torch_view(x)
+    v = _torch_view(x)
     y = _fast(op, v, axis) if v is not None else None
-    return c.to_torch(y) if y is not None else None
+    return _to_torch(y) if y is not None else None
+
+
+def _key2(op: str, axis: int, y, dy) -> tuple:
+    """A backward's fast-path key: (y, dy) as CuPy arrays, the pointer bits as _launch has them."""
+    return (op, axis, y.shape, y.strides, y.dtype, y.data.device_id, dy.shape, dy.strides,
+            dy.dtype, dy.data.device_id, (y.data.ptr | dy.data.ptr) & 15)
+
+
+def _fast_backward(op: str, y, dy, axis: int):
+    """dx for (y, dy) both CuPy arrays, or both PyTorch tensors on CuPy's current stream, of a
+    layout planned before with a fresh output (as :func:`_fast`); None otherwise."""
+    if type(y) is _ndarray and type(dy) is _ndarray:
+        tensors = False
+    elif type(y).__module__ == "torch":
+        views = _torch_views((y, dy))
+        if views is None:
+            return None
+        y, dy = views
+        tensors = True
+    else:
+        return None
+    launch = _fresh.get(_key2(op, axis, y, dy))
+    if launch is None or launch.device_id != _get_device():
+        return None
+    dx = c.cp.empty(y.shape, y.dtype)
+    launch(y, dy, dx)
+    return _to_torch(dx) if tensors else dx
 
 
 @c.capture_safe
@@ -127,10 +165,13 @@ def _run(op: str, names: tuple, inputs: tuple, axis, out):
             c.check_aliasing(op, arrays, o)
         if first.size:
             launch = _launch(op, dtype, ax, arrays, o)
-            if (out is None and len(arrays) == 1 and launch is not None
-                    and (adapted[0].kind == "cupy" or adapted[0].same_stream)):
-                _fresh[(op, axis, first.shape, first.strides, first.dtype, first.data.ptr & 15,
-                        dev)] = launch
+            if (out is None and launch is not None and type(axis) is int
+                    and all(a.kind == "cupy" or a.same_stream for a in adapted)):
+                if len(arrays) == 1:
+                    _fresh[(op, axis, first.shape, first.strides, first.dtype,
+                            first.data.ptr & 15, dev)] = launch
+                else:
+                    _fresh[_key2(op, axis, first, arrays[1])] = launch
         return c.handed_back(out, o) if out is not None else adapted[0].wrap(o)
 
 
