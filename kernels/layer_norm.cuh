@@ -91,6 +91,8 @@ enum : int { kAbsent = 0, kPresent = 1, kRuntime = 2 };
 // kernels take them as template switches (kAbsent or kPresent each: the code the WEIGHT and
 // BIAS switches gave), where run-time presence cost 1-6 points of copy speed
 // (docs/notes/layer-norm-forward.md).
+// Float32 gamma and beta of 16-bit data (wide(): the kernel argument pf32) are read as float32,
+// by params() and, in place of fetch(), by store_fetched().
 // params() and store_with() split store() for a caller that writes several rows of the same
 // columns (gamma and beta loaded and converted once).
 template <typename C, typename T, int W, int B> struct AffineStore {
@@ -99,6 +101,8 @@ template <typename C, typename T, int W, int B> struct AffineStore {
                 "run-time presence: both, or gamma alone (RMS norm)");
   Store<C, T, false> y;
   Load<T, C, false> gamma, beta;  // one row each (row 0); with kRuntime, ptr null where absent
+  int pf32;                       // 16-bit T: whether gamma and beta are float32 (params_f32)
+  __device__ __forceinline__ bool wide() const { return params_f32<T>(pf32); }
   __device__ __forceinline__ bool weight() const {
     return W == kPresent || (W == kRuntime && gamma.ptr != nullptr);
   }
@@ -107,13 +111,13 @@ template <typename C, typename T, int W, int B> struct AffineStore {
   }
   template <int N> __device__ __forceinline__ void params(C* w, C* b, int col) const {
     if (weight()) {
-      gamma.template load<N>(w, 0, col);
+      load_param<N>(gamma, wide(), w, col);
     } else if (W == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = C(1);
     }
     if (bias()) {
-      beta.template load<N>(b, 0, col);
+      load_param<N>(beta, wide(), b, col);
     } else if (B == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = C(0);
@@ -144,12 +148,17 @@ template <typename C, typename T, int W, int B> struct AffineStore {
   // packs' gamma and beta before their stores: a store to y is volatile, and no load after it
   // in program order issues before it, so a loop of store() waits out the parameters' latency
   // once a pack. An absent gamma or beta read at run time is a pack of ones or zeros in the
-  // storage type.
+  // storage type. Float32 parameters (wide()) are not fetched: store_fetched() reads them, so
+  // that Params keeps the registers of a storage-type pack.
   template <int N> struct Params {
     Pack<T, N> w, b;  // as loaded, unconverted
   };
   template <int N> __device__ __forceinline__ Params<N> fetch(int col) const {
     Params<N> p;
+    if (wide()) {
+      p.w.word = p.b.word = typename Pack<T, N>::word_t{};  // unused
+      return p;
+    }
     if (weight()) {
       p.w = gamma.template raw<N>(0, col);
     } else if (W == kRuntime) {
@@ -167,10 +176,14 @@ template <typename C, typename T, int W, int B> struct AffineStore {
   __device__ __forceinline__ void store_fetched(const C* v, const Params<N>& p, i64 row,
                                                 int col) const {
     C w[N], b[N];
+    if (wide()) {
+      params<N>(w, b, col);
+    } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      if (W) w[i] = pack_value(p.w, i);
-      if (B) b[i] = pack_value(p.b, i);
+      for (int i = 0; i < N; ++i) {
+        if (W) w[i] = pack_value(p.w, i);
+        if (B) b[i] = pack_value(p.b, i);
+      }
     }
     store_with<N>(v, w, b, row, col);
   }
@@ -222,11 +235,11 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
 // Forward. mean and rstd may be null (not wanted); gamma and beta may be null (absent) for the
 // warp and block kernels, and are read by a cluster kernel only with its WEIGHT and BIAS (see
 // AffineStore); res and h are read or written only with RESIDUAL. sx, sr, sy, sh: row strides
-// of x, residual, y, h.
+// of x, residual, y, h. pf32: gamma and beta are float32 (16-bit T only; params_f32).
 #define CUKERN_NORM_FWD_PARAMS                                                                 \
   const T *x, const T *res, const T *gamma, const T *beta, T *y, T *h,                         \
       typename Num<T>::compute *mean, typename Num<T>::compute *rstd,                          \
-      typename Num<T>::compute eps, i64 rows, int cols, i64 sx, i64 sr, i64 sy, i64 sh
+      typename Num<T>::compute eps, i64 rows, int cols, i64 sx, i64 sr, i64 sy, i64 sh, int pf32
 
 // W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime).
 #define CUKERN_NORM_FWD_SETUP(W, B)                                                            \
@@ -241,7 +254,8 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   (void)phase;                                                                                 \
   const SkipLoad<T, C, RESIDUAL> ld{{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};   \
   static_assert(ALGO == kLayerNorm || (B) == kAbsent, "RMS norm has no bias");                \
-  const AffineStore<C, T, (W), (B)> st{{y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}}
+  const AffineStore<C, T, (W), (B)> st{                                                        \
+      {y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}, pf32}
 
 // The warp kernel's shift K of a row (norm.cuh): the median of its first three values (columns
 // clamped to the row), from lane 0's first pack when it holds them (one shuffle), else

@@ -18,9 +18,12 @@ namespace cukern {
 // g = dy * gamma (dy when there is no weight). load2 also returns dy itself, which the dgamma and
 // dbeta sums need. CACHED: gamma is read from `cached`, already converted, in shared memory
 // (grad_cached; laid out by cached_at), instead of from memory and converted at every use.
+// gamma of 16-bit data may be float32 (wide(): the kernel argument pf32, params_f32).
 template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct ScaleLoad {
   Load<T, C, false> dy, gamma;
   const C* cached;  // value j of the row's pack p at cached[cached_at<N>(p, j)]
+  int pf32;         // 16-bit T: whether gamma is float32
+  __device__ __forceinline__ bool wide() const { return params_f32<T>(pf32); }
   // Packs of 8 floats (from 16-bit gamma) swap their two 16-byte halves in every other group of
   // 4 packs: a warp's 16-byte reads, 32 bytes apart, then meet each bank once a wavefront (in
   // place, two threads of 8 would share banks: two wavefronts a read).
@@ -34,7 +37,7 @@ template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct Scale
       if constexpr (CACHED) {
         load_cached<N>(w, col);
       } else {
-        gamma.template load<N>(w, 0, col);
+        load_param<N>(gamma, wide(), w, col);
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) g[i] = d[i] * w[i];
@@ -82,12 +85,13 @@ template <typename T, typename C> struct PairLoad {
 // Backward. mean is null for RMS norm. With WEIGHT, g = dy * gamma and the kernel also sums
 // dy * xhat (and dy, for layer norm) over the rows each block (cluster, for *_cluster) handles:
 // one partial row of `cols` sums per block in dw (and db), in the compute type; a second kernel,
-// norm_param_grad_reduce, adds the partial rows up. sdy, sx, sdx: row strides.
+// norm_param_grad_reduce, adds the partial rows up. sdy, sx, sdx: row strides. pf32: gamma is
+// float32 (16-bit T only; params_f32).
 #define CUKERN_NORM_BWD_PARAMS                                                                 \
   const T *dy, const T *x, const typename Num<T>::compute *mean,                               \
       const typename Num<T>::compute *rstd, const T *gamma, T *dx,                             \
       typename Num<T>::compute *dw, typename Num<T>::compute *db, i64 rows, int cols, i64 sdy,  \
-      i64 sx, i64 sdx
+      i64 sx, i64 sdx, int pf32
 
 #define CUKERN_NORM_BWD_SETUP                                                                  \
   typedef typename Num<T>::compute C;                                                          \
@@ -96,7 +100,7 @@ template <typename T, typename C> struct PairLoad {
   constexpr int NSUM = LAYER ? 2 : 1;              /* row sums: g * xhat (and g) */            \
   constexpr int NACC = LAYER ? 2 : 1;              /* column sums: dy * xhat (and dy) */       \
   const Load<T, C, false> ld_x{x, rows_at(sx)};                                                \
-  const ScaleLoad<T, C, WEIGHT> ld_g{{dy, rows_at(sdy)}, {gamma, rows_at(0)}, nullptr};        \
+  const ScaleLoad<T, C, WEIGHT> ld_g{{dy, rows_at(sdy)}, {gamma, rows_at(0)}, nullptr, pf32};  \
   const PairLoad<T, C> ld_xdy{{x, rows_at(sx)}, {dy, rows_at(sdy)}};                           \
   const Store<C, T, false> st{dx, rows_at(sdx)};                                               \
   (void)ld_x;                                                                                  \
@@ -511,12 +515,12 @@ __device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
     C* const g = acc + acc_bytes / sizeof(C) - p0 * PACK;  // indexed by the row's pack
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       C w[PACK];
-      sl.gamma.template load<PACK>(w, 0, p * PACK);
+      load_param<PACK>(sl.gamma, sl.wide(), w, p * PACK);
 #pragma unroll
       for (int j = 0; j < PACK; ++j) g[Cached::template cached_at<PACK>(p, j)] = w[j];
     }
     __syncthreads();
-    const Cached cached{sl.dy, sl.gamma, g};
+    const Cached cached{sl.dy, sl.gamma, g, sl.pf32};
     grad_weighted<LAYER, in_regs, PACK, NSUM>(ld, cached, st, base, slice, two, acc_w, acc_b,
                                               mean, rstd, dw, db, row0, rows, step, cols, p0,
                                               p1, prow, reduce);

@@ -39,7 +39,8 @@
 // gamma is copied into shared memory (GAMMA). The group width (blockDim.x of the warp kernel),
 // the block size, padding, the number of buffers of a cached backward and whether the forward
 // warp and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
-// AffineStore) are read at run time.
+// AffineStore) are read at run time, as is whether gamma and beta of 16-bit data are float32
+// (params_f32: the flag pf32, one branch a pack).
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
 // Every pointer and row stride is a multiple of PACK elements (the planner checks).
@@ -61,6 +62,43 @@ __device__ __forceinline__ double median3(double a, double b, double c) {
 
 // Row `row` of a view with row stride s (in elements) and contiguous columns.
 __device__ __forceinline__ Layout<false> rows_at(i64 s) { return Layout<false>{s, 0, 1, 1}; }
+
+// Parameters (gamma, beta) of 16-bit data may be float32 (the mixed-precision setup): the
+// kernels take them through the same pointers, with a flag `pf32` that is a kernel argument,
+// uniform across the grid. For 4- and 8-byte T it is never read, and its branches compile away.
+template <typename T> __device__ __forceinline__ bool params_f32(int pf32) {
+  if constexpr (sizeof(T) == 2) {
+    return pf32 != 0;
+  } else {
+    return false;
+  }
+}
+
+// N float32 values from p in loads of at most 16 bytes (p: column col of a row whose start is
+// 16-byte aligned, the host copies it otherwise; col a multiple of N).
+template <int N, typename C> __device__ __forceinline__ void load_f32(C* dst, const float* p) {
+  constexpr int W = N < 4 ? N : 4;
+  static_assert(N % W == 0, "N: 1, 2 or a multiple of 4");
+#pragma unroll
+  for (int j = 0; j < N; j += W) {
+    Pack<float, W> v;
+    v.word = *reinterpret_cast<const typename Pack<float, W>::word_t*>(p + j);
+#pragma unroll
+    for (int i = 0; i < W; ++i) dst[j + i] = C(v.elem[i]);
+  }
+}
+
+// N parameters from column col of a parameter row (row 0 of `ld`): in the storage type, or in
+// float32 where `wide` (params_f32).
+template <int N, typename T, typename C>
+__device__ __forceinline__ void load_param(const Load<T, C, false>& ld, bool wide, C* dst,
+                                           int col) {
+  if (wide) {
+    load_f32<N>(dst, reinterpret_cast<const float*>(ld.ptr) + col);
+  } else {
+    ld.template load<N>(dst, 0, col);
+  }
+}
 
 // Calls f(p, v) for the packs p of [p0, p1) that this thread owns in a block kernel
 // (p0 + threadIdx.x, then steps of blockDim.x), keeping U loads in flight. `ld` writes VALS
