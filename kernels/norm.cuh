@@ -36,11 +36,13 @@
 // cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a cached
 // forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
 // WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether
-// gamma is copied into shared memory (GAMMA). The group width (blockDim.x of the warp kernel),
-// the block size, padding, the number of buffers of a cached backward and whether the forward
-// warp and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
-// AffineStore) are read at run time, as is whether gamma and beta of 16-bit data are float32
-// (params_f32: the flag pf32, one branch a pack).
+// gamma is copied into shared memory (GAMMA), and for the uncached kernels the parameters' type
+// P (T, or float for 16-bit T: float32 weight and bias with half or bfloat16 data, a separate
+// instantiation so that the others' code stays as it is; a run-time flag changed ptxas's
+// register allocation of many of them). The group width (blockDim.x of the warp kernel), the
+// block size, padding, the number of buffers of a cached backward and whether the forward warp
+// and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
+// AffineStore) are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
 // Every pointer and row stride is a multiple of PACK elements (the planner checks).
@@ -63,40 +65,17 @@ __device__ __forceinline__ double median3(double a, double b, double c) {
 // Row `row` of a view with row stride s (in elements) and contiguous columns.
 __device__ __forceinline__ Layout<false> rows_at(i64 s) { return Layout<false>{s, 0, 1, 1}; }
 
-// Parameters (gamma, beta) of 16-bit data may be float32 (the mixed-precision setup): the
-// kernels take them through the same pointers, with a flag `pf32` that is a kernel argument,
-// uniform across the grid. For 4- and 8-byte T it is never read, and its branches compile away.
-template <typename T> __device__ __forceinline__ bool params_f32(int pf32) {
-  if constexpr (sizeof(T) == 2) {
-    return pf32 != 0;
-  } else {
-    return false;
-  }
-}
-
-// N float32 values from p in loads of at most 16 bytes (p: column col of a row whose start is
-// 16-byte aligned, the host copies it otherwise; col a multiple of N).
-template <int N, typename C> __device__ __forceinline__ void load_f32(C* dst, const float* p) {
-  constexpr int W = N < 4 ? N : 4;
-  static_assert(N % W == 0, "N: 1, 2 or a multiple of 4");
-#pragma unroll
-  for (int j = 0; j < N; j += W) {
-    Pack<float, W> v;
-    v.word = *reinterpret_cast<const typename Pack<float, W>::word_t*>(p + j);
-#pragma unroll
-    for (int i = 0; i < W; ++i) dst[j + i] = C(v.elem[i]);
-  }
-}
-
-// N parameters from column col of a parameter row (row 0 of `ld`): in the storage type, or in
-// float32 where `wide` (params_f32).
-template <int N, typename T, typename C>
-__device__ __forceinline__ void load_param(const Load<T, C, false>& ld, bool wide, C* dst,
-                                           int col) {
-  if (wide) {
-    load_f32<N>(dst, reinterpret_cast<const float*>(ld.ptr) + col);
-  } else {
+// N parameters (gamma or beta) from column col of row 0 of `ld`, converted to the compute type:
+// in the storage type T, or (P = float for 16-bit T: the mixed-precision setup, the uncached
+// kernels only) in float32, by loads of at most 16 bytes (the host aligns such a row to 16
+// bytes; col is a multiple of N).
+template <int N, typename P, typename C>
+__device__ __forceinline__ void load_param(const Load<P, C, false>& ld, C* dst, int col) {
+  if constexpr (N * sizeof(P) <= 16) {
     ld.template load<N>(dst, 0, col);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) ld.template load<4>(dst + j, 0, col + j);
   }
 }
 

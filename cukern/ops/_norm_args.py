@@ -74,8 +74,8 @@ def param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
 
 
 def wide_params(w, x) -> bool:
-    """Whether the kernels read the parameters (``w``: weight, or bias without one) as float32
-    for 16-bit x: their flag ``pf32``."""
+    """Whether the parameters (``w``: weight, or bias without one) are float32 for 16-bit x:
+    ``Switches.float32_params``, the kernels that read them as float32."""
     return w is not None and w.dtype != x.dtype
 
 

@@ -279,16 +279,16 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
                 yv = c.cp.empty(xa.shape, xa.dtype)
                 view = c.trailing_layout(yv, k)
             sy = view.s_outer
-            sw = _plan.Switches(w is not None, b is not None, r is not None)
+            sw = _plan.Switches(w is not None, b is not None, r is not None, pf32)
             arrays = (xv, rv, w, b, yv, h)
-            key = (op, dev, dtype, xa.shape, k, sx, sr, sy, sw, pf32, c.pointer_bits(arrays))
+            key = (op, dev, dtype, xa.shape, k, sx, sr, sy, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
             if launch is None:
                 plan = c.plan_for(op, dtype, dev, rows, cols,
                                   [a.data.ptr for a in arrays if a is not None],
                                   [sx, sy] + ([sr] if rv is not None else []), switches=sw)
                 tail = (np.int64(rows), np.int32(cols), np.int64(sx), np.int64(sr),
-                        np.int64(sy), np.int64(cols), np.int32(pf32))
+                        np.int64(sy), np.int64(cols))
                 launch = _launches[key] = _Launches(c.Launch(plan, dev, tail))
             launch.main(xv, _arg(rv), _arg(w), _arg(b), yv, _arg(h), _arg(mean), _arg(rstd),
                         sdt(eps))
@@ -414,9 +414,9 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, bias, fresh_key, sums_
         if rows and cols:
             xv, sx = _rows_view(xa, k)
             dyv, sdy = _rows_view(dya, k)
-            sw = _plan.Switches(weight=w is not None)
+            sw = _plan.Switches(weight=w is not None, float32_params=pf32)
             arrays = (dyv, xv, w, dx)
-            key = (op, dev, dtype, xa.shape, k, sx, sdy, sw, pf32, c.pointer_bits(arrays))
+            key = (op, dev, dtype, xa.shape, k, sx, sdy, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
             if launch is None:
                 launch = _launches[key] = _plan_backward(
@@ -447,17 +447,16 @@ def _wrap_opt(wrap, a):
 def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, sw, pdt) -> _Launches:
     """The launches of a backward; ``pdt``: the weight's dtype (None without one), which
     dweight and dbias are returned in."""
-    pf32 = pdt is not None and pdt.itemsize == 4 and _plan.ITEMSIZE[dtype] == 2
     plan = c.plan_for(op, dtype, dev, rows, cols, ptrs, strides, switches=sw)
     sx, sdy = strides
     main = c.Launch(plan, dev, (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx),
-                                np.int64(cols), np.int32(pf32)))
+                                np.int64(cols)))
     grad = _plan.plan_param_grad(plan, c.device_spec(dev))
     if grad is None:
         return _Launches(main)
     # float32 parameters of 16-bit x: dweight and dbias from float32's reduce kernel (the
     # partial sums are float32 either way)
-    gdt = "float32" if pf32 else dtype
+    gdt = "float32" if sw.float32_params else dtype
     reduce_name = registry.get(op).aux(gdt, 1)[0]
     partial_name = registry.get(op).aux(dtype, grad.partial.pack_size if grad.partial else 1)[1]
     source = plan.family
