@@ -314,3 +314,32 @@ def test_dask_float32_params_of_float16_x(rng):
     with pytest.raises(TypeError, match="rms_norm: weight has dtype float32, expected float64 "
                                         "for float64 x"):
         cd.rms_norm(xa.astype(np.float64), 64, w)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "layer_norm_backward",
+                                "rms_norm_backward"])
+def test_float32_params_plan_the_uncached_kernel(op):
+    """Float32 parameters of 16-bit data plan the uncached kernel with P = float (the one
+    instantiated for them), as wide a block as the row's packs need; the same switches without
+    them plan as before; float32 parameters of other data, or with no parameter, are refused."""
+    from dataclasses import replace
+
+    from cukern.plan import Switches, Variant, plan_rowwise
+
+    h100 = cukern.DeviceSpec.h100()
+    sw = Switches(weight=True, float32_params=True)
+    for dtype in ("float16", "bfloat16"):
+        for cols, threads in ((64, 128), (6000, 256), (4100, 512), (70000, 1024)):
+            plan = plan_rowwise(op, 8, cols, dtype, h100, switches=sw)
+            assert plan.variant is Variant.BLOCK_UNCACHED and plan.threads == threads, plan
+            assert plan.name_expression().endswith(", float>"), plan.name_expression()
+            same = replace(sw, float32_params=False)
+            assert plan.name_expression()[:-len(", float>")] + ">" == replace(
+                plan, switches=same).name_expression()
+            usual = plan_rowwise(op, 8, cols, dtype, h100, switches=same)
+            assert not usual.name_expression().endswith(", float>")
+    with pytest.raises(ValueError, match="float32 parameters go with float16 or bfloat16 data, "
+                                         "not float32"):
+        plan_rowwise(op, 8, 64, "float32", h100, switches=sw)
+    with pytest.raises(ValueError, match="need a weight or a bias"):
+        plan_rowwise(op, 8, 64, "float16", h100, switches=Switches(float32_params=True))

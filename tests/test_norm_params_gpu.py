@@ -1,9 +1,10 @@
 """Float32 weight and bias with float16 and bfloat16 data (the mixed-precision setup) on the
-GPU: every forward and backward variant against float64 NumPy with the float32 parameters; the
-kernels must not round them to 16 bits (y and dx closer to the reference than a 16-bit rounding
-of the parameters allows; dweight and dbias in float32 to float32's precision); the cached
-launches and the fast path keep float32 and 16-bit parameters apart; misaligned parameters;
-PyTorch with float32 parameters and bfloat16 activations."""
+GPU, which run the uncached kernels instantiated for them (P = float): rows of every length
+class and pack size, each switch set, forward and backward, against float64 NumPy with the
+float32 parameters; the kernels must not round them to 16 bits (y and dx closer to the
+reference than a 16-bit rounding of the parameters allows; dweight and dbias in float32 to
+float32's precision); the cached launches and the fast path keep float32 and 16-bit parameters
+apart; misaligned parameters; PyTorch with float32 parameters and bfloat16 activations."""
 
 from __future__ import annotations
 
@@ -16,22 +17,18 @@ from cukern.ops import layer_norm as ln_mod
 from cukern.plan import Switches, Variant
 from cukern.registry import policy
 
-from . import test_layer_norm_gpu as lnt
 from .conftest import TOL
 from .test_layer_norm_gpu import (
     BWD,
     FWD,
     ITEM,
-    LONE,
     STAT_TOL,
-    check_lone,
     col_sums_shapes,
     host,
     make,
     np_dtype,
     poison,
     rel_err,
-    spec,
     variant_shapes,
 )
 
@@ -97,11 +94,21 @@ def check_forward32(op, x, w, b, dtype):
     return ln_mod.last_plan(op)
 
 
+def check_plan(op, switches):
+    """The latest plan of ``op``: the uncached kernel with float32 parameters (P = float)."""
+    plan = ln_mod.last_plan(op)
+    assert plan.variant is Variant.BLOCK_UNCACHED, plan
+    assert plan.switches == switches, (plan.switches, switches)
+    assert plan.name_expression().endswith(", float>"), plan.name_expression()
+    return plan
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("op", FWD)
-def test_forward_every_variant_float32_params(op, dtype, rng):
-    """Every variant's edge shapes, with each of weight and bias float32 (and a residual)."""
-    for shape, variant in variant_shapes(op, dtype):
+def test_forward_float32_params_every_shape_and_switch(op, dtype, rng):
+    """The shapes that reach every variant with 16-bit parameters (lnt.variant_shapes: 1 to
+    10**5 + 3 columns, every pack size), with each switch set that has a weight or a bias."""
+    for shape, _ in variant_shapes(op, dtype):
         cols = shape[-1]
         for s in policy(op).switch_sets:
             if not (s.weight or s.bias):
@@ -113,43 +120,34 @@ def test_forward_every_variant_float32_params(op, dtype, rng):
                 r = make(shape, dtype, rng)
                 h = (x + r).astype(np_dtype(dtype))  # what the kernel normalises
                 params = (w, b) if op == "layer_norm" else (w,)
-                ref = getattr(reference, op)(h, cols, *params, residual=None)
+                ref = getattr(reference, op)(h, cols, *params)
                 poison((shape, ITEM[dtype]), (shape, ITEM[dtype]))
                 y, hh = getattr(cukern, op)(cp.asarray(x), cols, *[dev(p) for p in params],
                                             residual=cp.asarray(r))
                 np.testing.assert_array_equal(host(hh), h.astype(np.float64))
                 assert rel_err(y, ref) <= TOL[dtype], (op, dtype, shape, s)
-                plan = ln_mod.last_plan(op)
             else:
-                plan = check_forward32(op, x, w, b, dtype)
-            assert plan.switches == s, (plan.switches, s)
-            if variant is LONE:
-                check_lone(plan, s.residual)
-            elif variant is not None:
-                assert plan.variant is variant, (shape, plan)
+                check_forward32(op, x, w, b, dtype)
+            check_plan(op, Switches(s.weight, s.bias, s.residual, True))
 
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("op", FWD)
-def test_forward_reads_float32_params_in_every_variant(op, dtype, rng):
-    """Enough rows at each variant's columns (lnt._outlier_columns: warp with 1 to 16 register
-    slots, block, cluster, uncached) that y shows whether the parameters were rounded."""
-    reached = set()
-    for cols, variant in lnt._outlier_columns(dtype):
-        if cols > 300_000:
-            continue
+def test_forward_reads_float32_params(op, dtype, rng):
+    """Enough rows at each block size (128 to 1024 threads) and pack size (1, 2, 4, 8: odd,
+    twice odd, four times odd columns, and multiples of 8) that y shows whether the parameters
+    were rounded; the weight alone too (the kernel's run-time presence of beta)."""
+    seen = set()
+    for cols in (8, 99, 250, 1028, 2048, 6000, 4100, 20000, 70000):
         rows = max(2, -(-MIN_VALUES // cols))
         x = make((rows, cols), dtype, rng)
-        w = params32(cols, rng)
         b = params32(cols, rng, 0.0) if op == "layer_norm" else None
-        plan = check_forward32(op, x, w, b, dtype)
-        if variant is not None:
-            assert plan.variant is variant, (cols, plan)
-        reached.add(plan.variant)
-        # the weight alone (the warp and block kernels' run-time presence)
+        check_forward32(op, x, params32(cols, rng), b, dtype)
+        plan = check_plan(op, Switches(True, b is not None, False, True))
+        seen.add((plan.threads, plan.pack_size))
         check_forward32(op, make((rows, cols), dtype, rng), params32(cols, rng), None, dtype)
-    wanted = {Variant.WARP, Variant.BLOCK_SMEM, Variant.BLOCK_UNCACHED}
-    assert reached >= wanted | ({Variant.CLUSTER} if spec().has_clusters else set()), reached
+    assert {t for t, _ in seen} == {128, 256, 512, 1024}, seen
+    assert {p for _, p in seen} == {1, 2, 4, 8}, seen
 
 
 def check_backward32(op, x, dy, w, dtype, b=None):
@@ -193,24 +191,17 @@ def check_backward32(op, x, dy, w, dtype, b=None):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("op", BWD)
-def test_backward_every_variant_float32_params(op, dtype, rng):
-    """Every way the column sums are planned (lnt.col_sums_shapes: warp, block with sums in
-    registers or shared memory, cluster, uncached with the partial-sum kernel), then the same
-    columns with enough rows to show whether gamma was rounded."""
-    reached = set()
-    for shape, variant in col_sums_shapes(op, dtype):
+def test_backward_float32_params_every_shape(op, dtype, rng):
+    """The shapes of every way 16-bit parameters' column sums are planned (lnt.col_sums_shapes),
+    each as given and with enough rows to show whether gamma was rounded: the uncached kernel
+    with P = float, dweight (and dbias) from norm_param_grad_partial and float32's reduce."""
+    for shape, _ in col_sums_shapes(op, dtype):
         cols = shape[-1]
         for rows in dict.fromkeys((shape[0], max(shape[0], -(-MIN_VALUES // cols)))):
             x = make((rows, cols), dtype, rng)
             dy = make((rows, cols), dtype, rng, 1.0, 0.1)
             check_backward32(op, x, dy, params32(cols, rng), dtype)
-            plan = ln_mod.last_plan(op)
-            assert plan.switches == Switches(weight=True)
-            if variant is not None and rows == shape[0]:
-                assert plan.variant is variant, (shape, plan)
-            reached.add(plan.variant)
-    wanted = {Variant.WARP, Variant.BLOCK_SMEM, Variant.BLOCK_UNCACHED}
-    assert reached >= wanted | ({Variant.CLUSTER} if spec().has_clusters else set()), reached
+            check_plan(op, Switches(weight=True, float32_params=True))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -228,42 +219,10 @@ def test_backward_bias_float32(dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("op", BWD)
-def test_backward_gamma_in_shared_memory_float32(op, dtype, rng, monkeypatch):
-    """lnt.test_backward_gamma_in_shared_memory_both_ways with float32 weights: gamma copied
-    into shared memory from float32 (and read from memory as float32) in the block and cluster
-    kernels."""
-    def check(op, x, dy, w, dtype, b=None):
-        return check_backward32(op, x, dy, params32(x.shape[-1], rng), dtype)
-
-    monkeypatch.setattr(lnt, "check_backward", check)
-    lnt.test_backward_gamma_in_shared_memory_both_ways(op, dtype, rng, monkeypatch)
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_uncached_float32_params(dtype, rng, monkeypatch):
-    """The uncached forward and backward kernels at short rows (no occupancy for the others)."""
-    monkeypatch.setattr(ln_mod.c, "driver_occupancy", lambda dev: (lambda plan: 0))
-    monkeypatch.setattr(ln_mod, "_launches", {})
-    monkeypatch.setattr(ln_mod, "_fresh", {})
-    for cols in (1025, 4097, 20000):
-        rows = max(2, -(-MIN_VALUES // cols))
-        for op in FWD:
-            b = params32(cols, rng, 0.0) if op == "layer_norm" else None
-            plan = check_forward32(op, make((rows, cols), dtype, rng), params32(cols, rng), b,
-                                   dtype)
-            assert plan.variant is Variant.BLOCK_UNCACHED, plan
-        for op in BWD:
-            check_backward32(op, make((rows, cols), dtype, rng),
-                             make((rows, cols), dtype, rng, 1.0, 0.1), params32(cols, rng), dtype)
-            assert ln_mod.last_plan(op).variant is Variant.BLOCK_UNCACHED
-
-
-@pytest.mark.parametrize("dtype", HALF)
 def test_launch_caches_keep_param_dtypes_apart(dtype, rng, monkeypatch):
     """The same layout with float32 and with 16-bit parameters, in turn, through the full path
-    and the fast path: each call reads its own parameters' dtype (the flag is part of the
-    cached launch)."""
+    and the fast path: each call runs its own kernels (the uncached one with P = float, or the
+    usual cached one) and reads its own parameters' dtype."""
     monkeypatch.setattr(ln_mod, "_fresh", {})
     cols = 3000
     x = make((64, cols), dtype, rng)
@@ -274,6 +233,9 @@ def test_launch_caches_keep_param_dtypes_apart(dtype, rng, monkeypatch):
             ref = reference.layer_norm(x, cols, w, b)
             y = cukern.layer_norm(cp.asarray(x), cols, dev(w), dev(b))
             assert rel_err(y, ref) <= TOL[dtype], w.dtype
+            plan = ln_mod.last_plan("layer_norm")
+            assert plan.switches.float32_params is (w.dtype == np.float32), plan
+            assert (plan.variant is Variant.BLOCK_UNCACHED) is (w.dtype == np.float32), plan
             _, mean, rstd = reference.layer_norm(x.astype(np.float64), cols, return_stats=True)
             stats = [cp.asarray(s.astype(np.float32)) for s in (mean, rstd)]
             dx, dw, db = cukern.layer_norm_backward(cp.asarray(dy), cp.asarray(x), *stats,

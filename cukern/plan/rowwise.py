@@ -79,11 +79,12 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
         raise ValueError(f"plan: {pol.op} over rows of {cols} columns; at most {MAX_COLS} "
                          f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
     sw = Switches() if switches is None else switches
-    if sw.float32_params:
-        _check_float32_params(pol, sw, dtype, strided)
-    if dataclasses.replace(sw, float32_params=False) not in pol.switch_sets:
+    if not isinstance(sw, Switches) or \
+            dataclasses.replace(sw, float32_params=False) not in pol.switch_sets:
         raise ValueError(f"plan: {pol.op} takes switches from {[str(s) for s in pol.switch_sets]}"
                          f", got {sw}")
+    if sw.float32_params:
+        _check_float32_params(pol, sw, dtype, strided)
     if strided and not pol.strided:
         raise ValueError(f"plan: {pol.op} has no strided kernels; rows must have contiguous "
                          f"columns")
