@@ -343,3 +343,21 @@ def test_float32_params_plan_the_uncached_kernel(op):
         plan_rowwise(op, 8, 64, "float32", h100, switches=sw)
     with pytest.raises(ValueError, match="need a weight or a bias"):
         plan_rowwise(op, 8, 64, "float16", h100, switches=Switches(float32_params=True))
+
+
+def test_explain_float32_params():
+    h100 = cukern.DeviceSpec.h100()
+    plan = cukern.explain("layer-norm", (64, 4096), "bfloat16", device=h100, weight=True,
+                          bias=True, param_dtype="float32")
+    assert plan.switches.float32_params and plan.name_expression().endswith(", float>")
+    same = cukern.explain("rms_norm", (64, 4096), "float32", device=h100, weight=True,
+                          param_dtype="float32")
+    assert not same.switches.float32_params
+    with pytest.raises(ValueError, match="param_dtype float64 with float16 data; expected "
+                                         "float16, or float32 for float16 and bfloat16"):
+        cukern.explain("rms_norm", (4, 64), "float16", device=h100, weight=True,
+                       param_dtype="float64")
+    with pytest.raises(ValueError, match="param_dtype needs weight=True or bias=True"):
+        cukern.explain("layer_norm", (4, 64), "float16", device=h100, param_dtype="float32")
+    with pytest.raises(ValueError, match="param_dtype is the norms'; softmax takes none"):
+        cukern.explain("softmax", (4, 64), "float16", device=h100, param_dtype="float32")
