@@ -63,8 +63,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
         equal it.
     weight, bias : array of shape ``normalized_shape``, optional
         gamma and beta, on ``x``'s device, of ``x``'s dtype or, for float16 and bfloat16 ``x``,
-        float32 (the mixed-precision setup: read as float32, never rounded to ``x``'s dtype);
-        both of one dtype. Either may be omitted.
+        float32 (the mixed-precision setup: read as float32, never rounded to ``x``'s dtype;
+        such calls run the uncached kernel, which reads ``x`` twice); both of one dtype.
+        Either may be omitted.
     eps : float
         Added to the variance; finite, > 0 and a normal number of the compute type (at least
         1.2e-38 in float32), so that it never rounds to 0.
