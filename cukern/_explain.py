@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -35,7 +36,7 @@ def dtype_name(dtype) -> str:
 def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
             weight: bool = False, bias: bool = False, residual: bool = False,
             training: bool = True, layout: str = "NCHW", relu: bool = False,
-            addend: bool = False, axes=None):
+            addend: bool = False, axes=None, param_dtype=None):
     """The plan ``op`` would run for a C-contiguous array of ``shape`` and ``dtype``.
 
     ``permute`` takes ``axes`` (a permutation of the axes, NumPy's rules: None reverses them)
@@ -56,6 +57,8 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
     one is visible, else ``DeviceSpec.h100()``. ``weight``, ``bias``, ``residual``: whether the
     call passes them (the norms; ``rms_norm`` takes no bias, the backwards no residual, and
     ``layer_norm_backward``'s bias alone plans as a weight): they choose the kernel too.
+    ``param_dtype``: the norms' weight and bias dtype (None: the data's); ``"float32"`` with
+    float16 or bfloat16 data plans the kernel for float32 parameters.
     ``print(plan)`` shows it readably. ``op`` is a name of ``cukern.registry.OPS``
     (``"layer_norm"``) or its command-line spelling (``"layer-norm"``).
     """
@@ -73,6 +76,8 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
         return _explain_permute(shape, dtype, axes, device)
     if axes is not None:
         raise ValueError(f"explain: axes is permute's; {op} takes axis")
+    if param_dtype is not None and registry.OPS[op].family != "norm":
+        raise ValueError(f"explain: param_dtype is the norms'; {op} takes none")
     if not registry.OPS[op].rowwise:
         if residual:
             raise ValueError(f"explain: {op} takes no residual (pass addend=True)")
@@ -88,6 +93,13 @@ def explain(op: str, shape, dtype, axis: int | None = None, device=None, *,
     if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
         raise ValueError(f"explain: shape must be non-negative ints, got {shape}")
     name = dtype_name(dtype)
+    if param_dtype is not None and dtype_name(param_dtype) != name:
+        if dtype_name(param_dtype) != "float32" or name not in ("float16", "bfloat16"):
+            raise ValueError(f"explain: param_dtype {dtype_name(param_dtype)} with {name} "
+                             f"data; expected {name}, or float32 for float16 and bfloat16")
+        if not (switches.weight or switches.bias):
+            raise ValueError("explain: param_dtype needs weight=True or bias=True")
+        switches = dataclasses.replace(switches, float32_params=True)
     nd = max(len(shape), 1)
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -nd <= axis < nd:
         raise ValueError(f"explain: axis {axis!r} is out of range for shape {shape}")

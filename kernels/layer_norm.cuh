@@ -93,12 +93,13 @@ enum : int { kAbsent = 0, kPresent = 1, kRuntime = 2 };
 // (docs/notes/layer-norm-forward.md).
 // params() and store_with() split store() for a caller that writes several rows of the same
 // columns (gamma and beta loaded and converted once).
-template <typename C, typename T, int W, int B> struct AffineStore {
+// P: the parameters' type (T, or float for 16-bit T in the uncached kernel; see norm.cuh).
+template <typename C, typename T, int W, int B, typename P = T> struct AffineStore {
   static_assert(W >= kAbsent && W <= kRuntime && B >= kAbsent && B <= kRuntime, "W, B: 0-2");
   static_assert((W == kRuntime) == (B == kRuntime) || (W == kRuntime && B == kAbsent),
                 "run-time presence: both, or gamma alone (RMS norm)");
   Store<C, T, false> y;
-  Load<T, C, false> gamma, beta;  // one row each (row 0); with kRuntime, ptr null where absent
+  Load<P, C, false> gamma, beta;  // one row each (row 0); with kRuntime, ptr null where absent
   __device__ __forceinline__ bool weight() const {
     return W == kPresent || (W == kRuntime && gamma.ptr != nullptr);
   }
@@ -107,13 +108,13 @@ template <typename C, typename T, int W, int B> struct AffineStore {
   }
   template <int N> __device__ __forceinline__ void params(C* w, C* b, int col) const {
     if (weight()) {
-      gamma.template load<N>(w, 0, col);
+      load_param<N>(gamma, w, col);
     } else if (W == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = C(1);
     }
     if (bias()) {
-      beta.template load<N>(b, 0, col);
+      load_param<N>(beta, b, col);
     } else if (B == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = C(0);
@@ -223,13 +224,13 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
 // warp and block kernels, and are read by a cluster kernel only with its WEIGHT and BIAS (see
 // AffineStore); res and h are read or written only with RESIDUAL. sx, sr, sy, sh: row strides
 // of x, residual, y, h.
-#define CUKERN_NORM_FWD_PARAMS                                                                 \
-  const T *x, const T *res, const T *gamma, const T *beta, T *y, T *h,                         \
+#define CUKERN_NORM_FWD_PARAMS(P)                                                              \
+  const T *x, const T *res, const P *gamma, const P *beta, T *y, T *h,                         \
       typename Num<T>::compute *mean, typename Num<T>::compute *rstd,                          \
       typename Num<T>::compute eps, i64 rows, int cols, i64 sx, i64 sr, i64 sy, i64 sh
 
-// W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime).
-#define CUKERN_NORM_FWD_SETUP(W, B)                                                            \
+// W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime); P: their type.
+#define CUKERN_NORM_FWD_SETUP(W, B, P)                                                         \
   typedef typename Num<T>::compute C;                                                          \
   static_assert(ALGO == kLayerNorm || ALGO == kRMSNorm, "ALGO: 0 layer norm, 1 RMS norm");     \
   /* layer norm works on x - K; float and double data normalise (x - K) - mean' in two steps,   \
@@ -241,7 +242,8 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   (void)phase;                                                                                 \
   const SkipLoad<T, C, RESIDUAL> ld{{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};   \
   static_assert(ALGO == kLayerNorm || (B) == kAbsent, "RMS norm has no bias");                \
-  const AffineStore<C, T, (W), (B)> st{{y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}}
+  const AffineStore<C, T, (W), (B), P> st{                                                     \
+      {y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}}
 
 // The warp kernel's shift K of a row (norm.cuh): the median of its first three values (columns
 // clamped to the row), from lane 0's first pack when it holds them (one shuffle), else
@@ -272,8 +274,8 @@ __device__ __forceinline__ C warp_shift(const C* buf, int cols, int width, int l
 // end of the row (padding) hold 0 and are left out of the variance. The row loop is uniform
 // across the block, so every lane reaches every shuffle.
 template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL>
-__global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent);
+__global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)) {
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, T);
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
@@ -571,8 +573,8 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 // Block kernel with the row cached in shared memory (cols values of T; see norm_rows).
 // Grid-stride over rows; any block size that is a multiple of 32.
 template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP>
-__global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent);
+__global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS(T)) {
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, T);
   BlockReduce reduce;
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1>(
       dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
@@ -581,9 +583,12 @@ __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PA
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
 // With a residual the second read is of h (written by this same thread in the first pass).
-template <typename T, int ALGO, int PACK, bool RESIDUAL>
-__global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FWD_PARAMS) {
-  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent);
+// P: gamma and beta's type (T, or float for 16-bit T).
+template <typename T, int ALGO, int PACK, bool RESIDUAL, typename P = T>
+__global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FWD_PARAMS(P)) {
+  static_assert(sizeof(P) == sizeof(T) || (sizeof(T) == 2 && sizeof(P) == 4),
+                "P: T, or float for 16-bit T");
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, P);
   const Load<T, C, false> again{RESIDUAL ? h : x, rows_at(RESIDUAL ? sh : sx)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -632,10 +637,10 @@ template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, b
           bool OVERLAP, int MIN_BLOCKS, int ROWS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1)
 __launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
-layer_norm_cluster(CUKERN_NORM_FWD_PARAMS) {
+layer_norm_cluster(CUKERN_NORM_FWD_PARAMS(T)) {
   static_assert(MIN_BLOCKS == 1 || MIN_BLOCKS == 3, "MIN_BLOCKS: 1, or 3 blocks of <= 512 threads");
   static_assert(ROWS == 1 || ROWS == 2, "ROWS: 1 or 2 rows a pass");
-  CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS);
+  CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS, T);
   constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
   const int num_packs = cols / PACK;

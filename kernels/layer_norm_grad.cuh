@@ -18,8 +18,11 @@ namespace cukern {
 // g = dy * gamma (dy when there is no weight). load2 also returns dy itself, which the dgamma and
 // dbeta sums need. CACHED: gamma is read from `cached`, already converted, in shared memory
 // (grad_cached; laid out by cached_at), instead of from memory and converted at every use.
-template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct ScaleLoad {
-  Load<T, C, false> dy, gamma;
+// P: gamma's type (T, or float for 16-bit T in the uncached kernel; see norm.cuh).
+template <typename T, typename C, bool WEIGHT, bool CACHED = false, typename P = T>
+struct ScaleLoad {
+  Load<T, C, false> dy;
+  Load<P, C, false> gamma;
   const C* cached;  // value j of the row's pack p at cached[cached_at<N>(p, j)]
   // Packs of 8 floats (from 16-bit gamma) swap their two 16-byte halves in every other group of
   // 4 packs: a warp's 16-byte reads, 32 bytes apart, then meet each bank once a wavefront (in
@@ -34,7 +37,7 @@ template <typename T, typename C, bool WEIGHT, bool CACHED = false> struct Scale
       if constexpr (CACHED) {
         load_cached<N>(w, col);
       } else {
-        gamma.template load<N>(w, 0, col);
+        load_param<N>(gamma, w, col);
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) g[i] = d[i] * w[i];
@@ -83,20 +86,20 @@ template <typename T, typename C> struct PairLoad {
 // dy * xhat (and dy, for layer norm) over the rows each block (cluster, for *_cluster) handles:
 // one partial row of `cols` sums per block in dw (and db), in the compute type; a second kernel,
 // norm_param_grad_reduce, adds the partial rows up. sdy, sx, sdx: row strides.
-#define CUKERN_NORM_BWD_PARAMS                                                                 \
+#define CUKERN_NORM_BWD_PARAMS(P)                                                              \
   const T *dy, const T *x, const typename Num<T>::compute *mean,                               \
-      const typename Num<T>::compute *rstd, const T *gamma, T *dx,                             \
+      const typename Num<T>::compute *rstd, const P *gamma, T *dx,                             \
       typename Num<T>::compute *dw, typename Num<T>::compute *db, i64 rows, int cols, i64 sdy,  \
       i64 sx, i64 sdx
 
-#define CUKERN_NORM_BWD_SETUP                                                                  \
+#define CUKERN_NORM_BWD_SETUP(P)                                                               \
   typedef typename Num<T>::compute C;                                                          \
   static_assert(ALGO == kLayerNorm || ALGO == kRMSNorm, "ALGO: 0 layer norm, 1 RMS norm");     \
   constexpr bool LAYER = ALGO == kLayerNorm;                                                   \
   constexpr int NSUM = LAYER ? 2 : 1;              /* row sums: g * xhat (and g) */            \
   constexpr int NACC = LAYER ? 2 : 1;              /* column sums: dy * xhat (and dy) */       \
   const Load<T, C, false> ld_x{x, rows_at(sx)};                                                \
-  const ScaleLoad<T, C, WEIGHT> ld_g{{dy, rows_at(sdy)}, {gamma, rows_at(0)}, nullptr};        \
+  const ScaleLoad<T, C, WEIGHT, false, P> ld_g{{dy, rows_at(sdy)}, {gamma, rows_at(0)}, nullptr}; \
   const PairLoad<T, C> ld_xdy{{x, rows_at(sx)}, {dy, rows_at(sdy)}};                           \
   const Store<C, T, false> st{dx, rows_at(sdx)};                                               \
   (void)ld_x;                                                                                  \
@@ -128,8 +131,8 @@ template <bool LAYER, typename C, int K> struct GradX {
 };
 
 template <typename T, int ALGO, int PACK, int CPT, int RPA, bool WEIGHT>
-__global__ void __launch_bounds__(128) layer_norm_grad_warp(CUKERN_NORM_BWD_PARAMS) {
-  CUKERN_NORM_BWD_SETUP;
+__global__ void __launch_bounds__(128) layer_norm_grad_warp(CUKERN_NORM_BWD_PARAMS(T)) {
+  CUKERN_NORM_BWD_SETUP(T);
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
@@ -528,8 +531,8 @@ __device__ __forceinline__ void grad_cached(T* base, const PairLoad<T, C>& ld,
 }
 
 template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS, bool GAMMA>
-__global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS) {
-  CUKERN_NORM_BWD_SETUP;
+__global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_BWD_PARAMS(T)) {
+  CUKERN_NORM_BWD_SETUP(T);
   auto reduce = [&](const Sums<C, NSUM>& s, bool) { return allreduce_block(s, phase); };
   grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
       dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x, rows, gridDim.x, cols,
@@ -538,9 +541,12 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_smem(CUKERN_NORM_B
 
 // No cache: x and dy are read twice. dx only: with WEIGHT, g = dy * gamma, and dgamma/dbeta
 // come from norm_param_grad_partial (a row this long would need its column sums in memory).
-template <typename T, int ALGO, int PACK, bool WEIGHT>
-__global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NORM_BWD_PARAMS) {
-  CUKERN_NORM_BWD_SETUP;
+// P: gamma's type (T, or float for 16-bit T).
+template <typename T, int ALGO, int PACK, bool WEIGHT, typename P = T>
+__global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NORM_BWD_PARAMS(P)) {
+  static_assert(sizeof(P) == sizeof(T) || (sizeof(T) == 2 && sizeof(P) == 4 && WEIGHT),
+                "P: T, or float for 16-bit T with a weight");
+  CUKERN_NORM_BWD_SETUP(P);
   const int num_packs = cols / PACK;
   const C inv_cols = C(1) / C(cols);
   const ColSums<C, PACK> no_sums{nullptr, 0};
@@ -569,8 +575,8 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NO
 // partial row of column sums is written by its blocks, a slice each.
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS, bool GAMMA>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
-layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS) {
-  CUKERN_NORM_BWD_SETUP;
+layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS(T)) {
+  CUKERN_NORM_BWD_SETUP(T);
   const int num_packs = cols / PACK;
   const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // values per slice
   int p0, p1;

@@ -36,9 +36,12 @@
 // cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a cached
 // forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
 // WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether
-// gamma is copied into shared memory (GAMMA). The group width (blockDim.x of the warp kernel),
-// the block size, padding, the number of buffers of a cached backward and whether the forward
-// warp and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
+// gamma is copied into shared memory (GAMMA), and for the uncached kernels the parameters' type
+// P (T, or float for 16-bit T: float32 weight and bias with half or bfloat16 data, a separate
+// instantiation so that the others' code stays as it is; a run-time flag changed ptxas's
+// register allocation of many of them). The group width (blockDim.x of the warp kernel), the
+// block size, padding, the number of buffers of a cached backward and whether the forward warp
+// and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
 // AffineStore) are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
@@ -61,6 +64,20 @@ __device__ __forceinline__ double median3(double a, double b, double c) {
 
 // Row `row` of a view with row stride s (in elements) and contiguous columns.
 __device__ __forceinline__ Layout<false> rows_at(i64 s) { return Layout<false>{s, 0, 1, 1}; }
+
+// N parameters (gamma or beta) from column col of row 0 of `ld`, converted to the compute type:
+// in the storage type T, or (P = float for 16-bit T: the mixed-precision setup, the uncached
+// kernels only) in float32, by loads of at most 16 bytes (the host aligns such a row to 16
+// bytes; col is a multiple of N).
+template <int N, typename P, typename C>
+__device__ __forceinline__ void load_param(const Load<P, C, false>& ld, C* dst, int col) {
+  if constexpr (N * sizeof(P) <= 16) {
+    ld.template load<N>(dst, 0, col);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) ld.template load<4>(dst + j, 0, col + j);
+  }
+}
 
 // Calls f(p, v) for the packs p of [p0, p1) that this thread owns in a block kernel
 // (p0 + threadIdx.x, then steps of blockDim.x), keeping U loads in flight. `ld` writes VALS

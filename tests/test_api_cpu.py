@@ -1,6 +1,7 @@
 """One API convention, PyTorch's where it has one, without a GPU: every backward takes dy
 first; the norms return y alone unless return_stats=True; a bias-only layer norm gets dbias;
-the norms' out= and bias checks (on NumPy arrays posing as device arrays)."""
+the norms' out= and bias checks (on NumPy arrays posing as device arrays); float32 parameters
+with 16-bit data."""
 
 from __future__ import annotations
 
@@ -181,7 +182,7 @@ def test_bias_checked_like_weight(posing):
                                          r"expected \(8,\) \(normalized_shape\)"):
         _norm_args.param(op, "bias", _dev(np.ones(7, np.float32)), x, (8,))
     with pytest.raises(TypeError, match=r"layer_norm_backward: bias has dtype float16, "
-                                        r"expected float32 \(the dtype of x\)"):
+                                        r"expected float32 for float32 x"):
         _norm_args.param(op, "bias", _dev(np.ones(8, np.float16)), x, (8,))
     with pytest.raises(ValueError, match="layer_norm_backward: bias is on GPU 1 but x is on "
                                          "GPU 0"):
@@ -233,3 +234,130 @@ def test_explain_plans_a_bias_only_backward_as_weighted():
     assert with_bias == weighted and with_bias.switches.weight
     with pytest.raises(ValueError, match="rms_norm_backward takes no bias"):
         cukern.explain("rms_norm_backward", (4, 64), "float32", device=h100, bias=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Float32 parameters with float16 and bfloat16 data (the mixed-precision setup).
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
+
+        return np.dtype(bfloat16)
+    return np.dtype(name)
+
+
+@pytest.mark.parametrize("xdt", ["float16", "bfloat16", "float32", "float64"])
+def test_norm_param_dtypes(posing, xdt):
+    """weight and bias: x's dtype, or float32 for 16-bit x (batch norm's rule); anything else
+    a TypeError naming the argument, its dtype and what x's dtype accepts."""
+    x = _dev(np.zeros((4, 8), _np_dtype(xdt)))
+    half = xdt in ("float16", "bfloat16")
+    allowed = ["float32", xdt] if half else [xdt]
+    assert [str(d) for d in _norm_args.param_dtypes(x.dtype)] == allowed
+    for pdt in ("float16", "bfloat16", "float32", "float64"):
+        p = _dev(np.ones(8, _np_dtype(pdt)))
+        for op, name in (("layer_norm", "weight"), ("layer_norm_backward", "bias"),
+                         ("rms_norm", "weight")):
+            if pdt in allowed:
+                assert _norm_args.param(op, name, p, x, (8,)) is p
+                assert _norm_args.wide_params(p, x) == (pdt != xdt)
+            else:
+                with pytest.raises(TypeError, match=rf"{op}: {name} has dtype {pdt}, expected "
+                                                    rf"{' or '.join(allowed)} for {xdt} x"):
+                    _norm_args.param(op, name, p, x, (8,))
+
+
+def test_norm_params_of_one_dtype():
+    w32, b32, b16 = (np.ones(8, d) for d in (np.float32, np.float32, np.float16))
+    _norm_args.check_same_params("layer_norm", w32, b32)
+    _norm_args.check_same_params("layer_norm", None, b16)
+    _norm_args.check_same_params("layer_norm", w32, None)
+    with pytest.raises(TypeError, match="layer_norm: weight has dtype float32 but bias has "
+                                        "dtype float16; pass both in one dtype"):
+        _norm_args.check_same_params("layer_norm", w32, b16)
+    assert not _norm_args.wide_params(None, np.ones(2, np.float16))
+
+
+def test_dask_float32_params_of_float16_x(rng):
+    """cukern.dask (NumPy blocks through the float64 reference) takes float32 parameters of
+    float16 x: y in float16 with the float32 values (not rounded to float16), dweight and dbias
+    back in float32; mixed or float64-x float32 parameters refused."""
+    pytest.importorskip("dask")
+    import dask
+    import dask.array as da
+
+    import cukern.dask as cd
+
+    x = (rng.standard_normal((40, 64)) * 2 + 0.5).astype(np.float16)
+    dy = rng.standard_normal(x.shape).astype(np.float16)
+    w = (1 + rng.uniform(-0.5, 0.5, 64)).astype(np.float32)
+    b = rng.uniform(-0.5, 0.5, 64).astype(np.float32)
+    xa, dya = (da.from_array(a, chunks=(7, -1)) for a in (x, dy))
+    y, mean, rstd = dask.compute(*cd.layer_norm(xa, 64, w, b, return_stats=True))
+    assert y.dtype == np.float16
+    ref = reference.layer_norm(x, 64, w, b)
+    np.testing.assert_array_equal(y, ref.astype(np.float16))
+    dx, dw, db = dask.compute(*cd.layer_norm_backward(dya, xa, mean, rstd, w, b))
+    rdx, rdw, rdb = reference.layer_norm_backward(dy, x, mean, rstd, w, b)
+    assert dx.dtype == np.float16 and dw.dtype == db.dtype == np.float32
+    np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, rdb, rtol=1e-5, atol=1e-5)
+    dx, db = dask.compute(*cd.layer_norm_backward(dya, xa, mean, rstd, None, b)[::2])
+    assert db.dtype == np.float32
+    np.testing.assert_allclose(db, rdb, rtol=1e-5, atol=1e-5)
+    (dw,) = dask.compute(cd.rms_norm_backward(dya, xa, rstd, w)[1])
+    assert dw.dtype == np.float32
+    with pytest.raises(TypeError, match="layer_norm: weight has dtype float32 but bias has "
+                                        "dtype float16"):
+        cd.layer_norm(xa, 64, w, b.astype(np.float16))
+    with pytest.raises(TypeError, match="rms_norm: weight has dtype float32, expected float64 "
+                                        "for float64 x"):
+        cd.rms_norm(xa.astype(np.float64), 64, w)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "layer_norm_backward",
+                                "rms_norm_backward"])
+def test_float32_params_plan_the_uncached_kernel(op):
+    """Float32 parameters of 16-bit data plan the uncached kernel with P = float (the one
+    instantiated for them), as wide a block as the row's packs need; the same switches without
+    them plan as before; float32 parameters of other data, or with no parameter, are refused."""
+    from dataclasses import replace
+
+    from cukern.plan import Switches, Variant, plan_rowwise
+
+    h100 = cukern.DeviceSpec.h100()
+    sw = Switches(weight=True, float32_params=True)
+    for dtype in ("float16", "bfloat16"):
+        for cols, threads in ((64, 128), (6000, 256), (4100, 512), (70000, 1024)):
+            plan = plan_rowwise(op, 8, cols, dtype, h100, switches=sw)
+            assert plan.variant is Variant.BLOCK_UNCACHED and plan.threads == threads, plan
+            assert plan.name_expression().endswith(", float>"), plan.name_expression()
+            same = replace(sw, float32_params=False)
+            assert plan.name_expression()[:-len(", float>")] + ">" == replace(
+                plan, switches=same).name_expression()
+            usual = plan_rowwise(op, 8, cols, dtype, h100, switches=same)
+            assert not usual.name_expression().endswith(", float>")
+    with pytest.raises(ValueError, match="float32 parameters go with float16 or bfloat16 data, "
+                                         "not float32"):
+        plan_rowwise(op, 8, 64, "float32", h100, switches=sw)
+    with pytest.raises(ValueError, match="need a weight or a bias"):
+        plan_rowwise(op, 8, 64, "float16", h100, switches=Switches(float32_params=True))
+
+
+def test_explain_float32_params():
+    h100 = cukern.DeviceSpec.h100()
+    plan = cukern.explain("layer-norm", (64, 4096), "bfloat16", device=h100, weight=True,
+                          bias=True, param_dtype="float32")
+    assert plan.switches.float32_params and plan.name_expression().endswith(", float>")
+    same = cukern.explain("rms_norm", (64, 4096), "float32", device=h100, weight=True,
+                          param_dtype="float32")
+    assert not same.switches.float32_params
+    with pytest.raises(ValueError, match="param_dtype float64 with float16 data; expected "
+                                         "float16, or float32 for float16 and bfloat16"):
+        cukern.explain("rms_norm", (4, 64), "float16", device=h100, weight=True,
+                       param_dtype="float64")
+    with pytest.raises(ValueError, match="param_dtype needs weight=True or bias=True"):
+        cukern.explain("layer_norm", (4, 64), "float16", device=h100, param_dtype="float32")
+    with pytest.raises(ValueError, match="param_dtype is the norms'; softmax takes none"):
+        cukern.explain("softmax", (4, 64), "float16", device=h100, param_dtype="float32")

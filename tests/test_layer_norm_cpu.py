@@ -658,6 +658,18 @@ def test_reachable_sets():
             names = reachable(op, dt, H100)
             kernels = [n for n in names if "param_grad" not in n]
             assert set(kernels) == planner.reachable_plans(op, dt, H100)
+            # float32 weight and bias of 16-bit data: the uncached kernels alone, P = float, for
+            # each of their instantiations with P = T (every pack, with a residual or not; the
+            # backward's with a weight)
+            f32 = [n for n in kernels if n.endswith(", float>")]
+            kernels = [n for n in kernels if n not in f32]
+            if ITEM[dt] == 2:
+                assert all("_block_uncached<" in n for n in f32), f32
+                assert {n[:-len(", float>")] + ">" for n in f32} == \
+                    {n for n in kernels if "_block_uncached<" in n and
+                     (op not in BWD or n.endswith(", true>"))}
+            else:
+                assert not f32, f32
 
             def switches(name):
                 """The op's template switches of the kernel: the forward's cached kernels end in

@@ -10,6 +10,7 @@ import dask.array as da
 import numpy as np
 
 from .. import reference, runner
+from ..ops._norm_args import check_param_dtype, check_same_params
 from ..ops.layer_norm import _normalized_shape
 from . import _blocks as B
 
@@ -94,7 +95,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
 
     The trailing dimensions must lie whole in each block (rechunked along them only, with a
     :class:`~cukern.dask.PerformanceWarning`, where they are split). ``weight``, ``bias``:
-    NumPy, CuPy or one-chunk Dask arrays of x's dtype (moved to each block's kind).
+    NumPy, CuPy or one-chunk Dask arrays of x's dtype, or float32 for 16-bit x (both of one
+    dtype), moved to each block's kind.
     ``residual``: a Dask array like x. Returns lazy Dask arrays: ``y`` (``(y, h)`` with a
     residual); with ``return_stats=True``, ``(y, mean, rstd)`` (``(y, mean, rstd, h)``),
     ``mean`` and ``rstd`` of shape ``x.shape[:-k]``, float32 (float64 for float64 x). Compute
@@ -119,8 +121,7 @@ def _param(fn: str, name: str, p, x: da.Array, ns: tuple[int, ...]) -> da.Array 
     if tuple(p.shape) != ns:
         raise ValueError(f"{fn}: {name} has shape {tuple(p.shape)}, expected {ns} "
                          f"(normalized_shape)")
-    if np.dtype(p.dtype) != x.dtype:
-        raise TypeError(f"{fn}: {name} has dtype {p.dtype}, expected {x.dtype} (the dtype of x)")
+    check_param_dtype(fn, name, p.dtype, x.dtype)
     return B.param(fn, name, p, tuple((n,) for n in ns))
 
 
@@ -136,6 +137,7 @@ def _forward(op, x, normalized_shape, weight, bias, eps, residual, return_stats)
     lead = nd - k
     w = _param(op, "weight", weight, x, ns)
     b = _param(op, "bias", bias, x, ns)
+    check_same_params(op, w, b)
     x = B.whole(op, "x", x, range(lead, nd))
     r = None
     if residual is not None:
@@ -182,12 +184,13 @@ def _norm_block(x, *rest, op: str, ns, eps: float, stats: bool, dask_params, lit
 
 # ---------------------------------------------------------------------------------------------
 # Backward: dx per block; dweight (and dbias) as float32 partial sums per block, added up in a
-# tree (float32; float64 for float64 data) and cast to x's dtype at the end.
+# tree (float32; float64 for float64 data) and cast to the parameters' dtype at the end.
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None):
     """:func:`cukern.layer_norm_backward` over Dask arrays: ``dx`` block by block; ``dweight``
     and ``dbias`` from float32 partial sums of each block (float64 for float64 x), added up
-    by a tree reduction (:data:`SPLIT_EVERY` blocks a node) and cast to x's dtype at the end.
+    by a tree reduction (:data:`SPLIT_EVERY` blocks a node) and cast to the parameters' dtype
+    (x's, or float32 for float32 parameters of 16-bit x) at the end.
 
     ``mean``, ``rstd``: what :func:`layer_norm` returned (Dask, NumPy or CuPy arrays of shape
     ``x.shape[:-k]``; rechunked to x's leading chunks). ``bias``: the forward's bias or None,
@@ -232,6 +235,8 @@ def _backward(op, dy, x, mean, rstd, weight, bias):
     nd, lead = x.ndim, x.ndim - k
     w = _param(op, "weight", weight, x, ns)
     b = _param(op, "bias", bias, x, ns)
+    check_same_params(op, w, b)
+    pdt = (w if w is not None else b).dtype if w is not None or b is not None else x.dtype
     for n, s in stats:
         if tuple(s.shape) != tuple(x.shape[:lead]):
             raise ValueError(f"{op}: {n} has shape {tuple(s.shape)}, expected "
@@ -260,9 +265,9 @@ def _backward(op, dy, x, mean, rstd, weight, bias):
     grads = []
     for j in range(len(fields)):
         name = f"cukern-grad{j}-{packed.name}"
-        dsk = {(name, *(0,) * k): (_cast_pick, root, j, x.dtype)}
+        dsk = {(name, *(0,) * k): (_cast_pick, root, j, pdt)}
         grads.append(B.from_tasks(name, dsk, (graph, root[0]), tuple((n,) for n in ns),
-                                  x.dtype, x, k))
+                                  pdt, x, k))
     if layer and w is None:  # bias alone: dbias
         return dx, None, grads[0]
     return (dx, *grads)

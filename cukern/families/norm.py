@@ -7,15 +7,17 @@ are template arguments are the forward's RESIDUAL, which adds a read and a write
 kernels' WEIGHT and BIAS, and the backward's WEIGHT, which sizes its column sums; the forward's
 warp and block kernels read weight and bias at run time, absent as null pointers, so one
 instantiation serves every Switches of a residual setting, while its clusters keep them as
-switches: run-time presence cost them 1-6 points of copy speed)::
+switches: run-time presence cost them 1-6 points of copy speed). Float32 weight and bias with
+float16 or bfloat16 data (Switches.float32_params) run the uncached kernels with their type P =
+float, the only kernels instantiated for them (P defaults to T)::
 
     layer_norm_warp<T, ALGO, PACK, CPT, RPA, R>
     layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP>
-    layer_norm_block_uncached<T, ALGO, PACK, R>
+    layer_norm_block_uncached<T, ALGO, PACK, R[, P]>
     layer_norm_cluster<T, ALGO, PACK, CLUSTER, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
     layer_norm_grad_warp<T, ALGO, PACK, CPT, RPA, W>
     layer_norm_grad_block_smem<T, ALGO, PACK, W, REGS, GAMMA>
-    layer_norm_grad_block_uncached<T, ALGO, PACK, W>
+    layer_norm_grad_block_uncached<T, ALGO, PACK, W[, P]>
     layer_norm_grad_cluster<T, ALGO, PACK, CLUSTER, W, REGS, GAMMA>
     norm_param_grad_partial<T, ALGO, PACK>, norm_param_grad_reduce<T>   (auxiliary)
 """
@@ -75,6 +77,8 @@ def name_expression(plan: Plan) -> str:
         args.append(_tf(plan.overlap))
         if v is Variant.CLUSTER:
             args += [min_blocks(plan), plan.rows_per_pass]
+    if sw.float32_params:  # the parameters' type P (the uncached kernels only)
+        args.append(CPP_TYPES["float32"])
     return f"cukern::{pol.kernel}_{v.value}<{', '.join(map(str, args))}>"
 
 
@@ -92,7 +96,7 @@ def aux_kernels(op: str):
 
 
 _NORM = dict(strided=False, cluster_threads_per_sm=1536, rows_overlap=False, smem_align=128,
-             signature=name_expression)
+             signature=name_expression, float32_params=True)
 _TF = (False, True)
 _FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
                 switches=("weight", "bias", "residual"), overlap_with_residual=True,

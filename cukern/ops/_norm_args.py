@@ -7,8 +7,9 @@ import numpy as np
 
 from .. import runner as c
 
-__all__ = ["normalized_shape", "param", "stat_dtype", "check_stat", "rows_view",
-           "check_out_overlap", "typed", "fresh_key", "uncopied"]
+__all__ = ["normalized_shape", "param_dtypes", "check_param_dtype", "check_same_params", "param",
+           "wide_params", "stat_dtype", "check_stat", "rows_view", "check_out_overlap", "typed",
+           "fresh_key", "uncopied"]
 
 
 def normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
@@ -31,25 +32,59 @@ def normalized_shape(fn: str, normalized_shape, x) -> tuple[int, ...]:
     return ns
 
 
+def param_dtypes(x_dtype) -> tuple:
+    """Dtypes weight and bias may have for x of ``x_dtype``: float32 or x's dtype for 16-bit x
+    (the mixed-precision setup), x's dtype otherwise (batch norm's rule)."""
+    x_dtype = np.dtype(x_dtype)
+    if x_dtype.itemsize == 2:
+        return (np.dtype(np.float32), x_dtype)
+    return (x_dtype,)
+
+
+def check_param_dtype(fn: str, name: str, dtype, x_dtype) -> None:
+    """TypeError unless a weight or bias of ``dtype`` may go with x of ``x_dtype``."""
+    allowed = param_dtypes(x_dtype)
+    if np.dtype(dtype) not in allowed:
+        raise TypeError(f"{fn}: {name} has dtype {dtype}, expected "
+                        f"{' or '.join(str(d) for d in allowed)} for {np.dtype(x_dtype)} x")
+
+
+def check_same_params(fn: str, w, b) -> None:
+    """weight and bias, where both are given, share one dtype: the kernels read both as
+    float32 or both in x's dtype."""
+    if w is not None and b is not None and w.dtype != b.dtype:
+        raise TypeError(f"{fn}: weight has dtype {w.dtype} but bias has dtype {b.dtype}; pass "
+                        f"both in one dtype")
+
+
 def param(fn: str, name: str, p, x, ns: tuple[int, ...] | None):
-    """A weight or bias: shape ``ns`` (any non-empty shape when ns is None), x's dtype and
-    device; returned contiguous."""
+    """A weight or bias: shape ``ns`` (any non-empty shape when ns is None), x's dtype (or
+    float32 for 16-bit x: :func:`param_dtypes`) and device; returned contiguous, and 16-byte
+    aligned where it is float32 for 16-bit x (the kernels read its packs as float32 vectors)."""
     a = c.adapt(fn, name, p).array
     if ns is not None and tuple(a.shape) != ns:
         raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {ns} "
                          f"(normalized_shape)")
-    if a.dtype != x.dtype:
-        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {x.dtype} (the dtype of x)")
+    check_param_dtype(fn, name, a.dtype, x.dtype)
     if a.data.device_id != x.data.device_id:
         raise ValueError(f"{fn}: {name} is on GPU {a.data.device_id} but x is on GPU "
                          f"{x.data.device_id}")
-    return a if a.flags.c_contiguous else _contiguous(a)
+    if not a.flags.c_contiguous or (a.dtype != x.dtype and a.data.ptr & 15):
+        return _contiguous(a)
+    return a
+
+
+def wide_params(w, x) -> bool:
+    """Whether the parameters (``w``: weight, or bias without one) are float32 for 16-bit x:
+    ``Switches.float32_params``, the kernels that read them as float32."""
+    return w is not None and w.dtype != x.dtype
 
 
 def _contiguous(a):
-    """A C-contiguous copy of ``a``, made on ``a``'s GPU."""
+    """A C-contiguous copy of ``a`` (fresh: aligned to CuPy's 256 bytes), made on ``a``'s
+    GPU."""
     with c.on_device(a.data.device_id):
-        return c.cp.ascontiguousarray(a)
+        return c.cp.array(a, order="C", copy=True)
 
 
 def stat_dtype(dtype: str):

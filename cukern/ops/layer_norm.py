@@ -11,6 +11,7 @@ from .. import plan as _plan
 from .. import registry
 from .. import runner as c
 from ._norm_args import check_out_overlap as _check_out_overlap
+from ._norm_args import check_same_params as _check_same_params
 from ._norm_args import check_stat as _check_stat
 from ._norm_args import fresh_key as _fresh_key
 from ._norm_args import normalized_shape as _normalized_shape
@@ -19,6 +20,7 @@ from ._norm_args import rows_view as _rows_view
 from ._norm_args import stat_dtype as _stat_dtype
 from ._norm_args import typed as _typed
 from ._norm_args import uncopied as _uncopied
+from ._norm_args import wide_params as _wide_params
 
 __all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
@@ -57,7 +59,10 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *
         The trailing dimensions to normalise over (PyTorch's meaning): ``x.shape[-k:]`` must
         equal it.
     weight, bias : array of shape ``normalized_shape``, optional
-        gamma and beta, of ``x``'s dtype and device. Either may be omitted.
+        gamma and beta, on ``x``'s device, of ``x``'s dtype or, for float16 and bfloat16 ``x``,
+        float32 (the mixed-precision setup: read as float32, never rounded to ``x``'s dtype;
+        such calls run the uncached kernel, which reads ``x`` twice); both of one dtype.
+        Either may be omitted.
     eps : float
         Added to the variance; finite, > 0 and a normal number of the compute type (at least
         1.2e-38 in float32), so that it never rounds to 0.
@@ -130,17 +135,19 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, bias=None):
     mean, rstd : arrays of shape ``x.shape[:-k]``
         The statistics :func:`layer_norm` returned, float32 (float64 for float64 ``x``).
     weight : array, optional
-        The forward's weight; its shape is ``normalized_shape``. Without it, ``k`` is
-        ``x.ndim - mean.ndim``.
+        The forward's weight; its shape is ``normalized_shape``, its dtype ``x``'s or, for
+        float16 and bfloat16 ``x``, float32 (``g = dy * weight`` then uses the float32 values).
+        Without it, ``k`` is ``x.ndim - mean.ndim``.
     bias : array, optional
         The forward's bias (or None): only whether it is given matters, and it is checked like
-        ``weight`` (shape ``normalized_shape``, ``x``'s dtype and device).
+        ``weight`` (shape ``normalized_shape``, the dtypes ``weight`` may have, the same as
+        ``weight``'s where both are given, ``x``'s device).
 
     Returns
     -------
     ``(dx, dweight, dbias)``: ``dx`` like ``x``; ``dweight`` (None unless ``weight`` is given)
     and ``dbias`` (None unless ``weight`` or ``bias`` is given) of shape ``normalized_shape``
-    and ``x``'s dtype.
+    and the parameters' dtype (``x``'s, or float32 for float32 parameters).
     """
     return _backward("layer_norm_backward", dy, x, mean, rstd, weight, bias)
 
@@ -154,23 +161,26 @@ def rms_norm_backward(dy, x, rstd, weight=None):
         dweight = sum over rows of dy * xhat
 
     Arguments as for :func:`layer_norm_backward` without ``mean``. Returns ``(dx, dweight)``;
-    ``dweight`` is None when ``weight`` is None.
+    ``dweight`` is None when ``weight`` is None, else of ``weight``'s dtype.
     """
     return _backward("rms_norm_backward", dy, x, None, rstd, weight, None)
 
 
 class _Launches:
     """The cached launches of one (op, layout, switches) key: the planned kernel, and for a
-    backward with a weight the auxiliary launches that finish dweight (and dbias)."""
+    backward with a weight the auxiliary launches that finish dweight (and dbias), which
+    ``reduce`` writes in ``grad_dtype``."""
 
-    __slots__ = ("main", "grad", "partial", "reduce")
+    __slots__ = ("main", "grad", "partial", "reduce", "grad_dtype")
 
     def __init__(self, main: c.Launch, grad: _plan.ParamGradPlan | None = None,
-                 partial: c.AuxLaunch | None = None, reduce: c.AuxLaunch | None = None):
+                 partial: c.AuxLaunch | None = None, reduce: c.AuxLaunch | None = None,
+                 grad_dtype=None):
         self.main = main
         self.grad = grad
         self.partial = partial
         self.reduce = reduce
+        self.grad_dtype = grad_dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +228,8 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
     eps = c.check_eps(op, eps, dtype)
     w = None if weight is None else _param(op, "weight", weight, xa, ns)
     b = None if bias is None else _param(op, "bias", bias, xa, ns)
+    _check_same_params(op, w, b)
+    pf32 = _wide_params(w if w is not None else b, xa)
     r = None
     if residual is not None:
         r = c.adapt(op, "residual", residual).array
@@ -250,7 +262,7 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
                 yv = c.cp.empty(xa.shape, xa.dtype)
                 view = c.trailing_layout(yv, k)
             sy = view.s_outer
-            sw = _plan.Switches(w is not None, b is not None, r is not None)
+            sw = _plan.Switches(w is not None, b is not None, r is not None, pf32)
             arrays = (xv, rv, w, b, yv, h)
             key = (op, dev, dtype, xa.shape, k, sx, sr, sy, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
@@ -302,8 +314,8 @@ def _backward(op: str, dy, x, mean, rstd, weight, bias):
                 layer = op == "layer_norm_backward"
                 dw = db = None
                 if weight is not None:
-                    dw = c.cp.empty(ns, xv.dtype)
-                    db = c.cp.empty(ns, xv.dtype) if layer else None
+                    dw = c.cp.empty(ns, args[4].dtype)  # the parameters' dtype
+                    db = c.cp.empty(ns, args[4].dtype) if layer else None
                 _launch_backward(launch, layer, args[0], xv, args[2], args[3], args[4], dx, dw,
                                  db)
                 res = (dx, dw, db) if layer else (dx, dw)
@@ -324,7 +336,7 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
     launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
     if launch.partial is not None:  # the main kernel keeps no column sums: from x and dy
         launch.partial(dyv, xv, _arg(mean), rstd, p0, p1)
-    if grad is not None and dw.dtype != dx.dtype:  # the float32 sums (backward_param_sums)
+    if grad is not None and dw.dtype != launch.grad_dtype:  # float sums: backward_param_sums
         dw[...] = partial[0].sum(axis=0)
         if db is not None:
             db[...] = partial[1].sum(axis=0)
@@ -368,7 +380,7 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, bias, fresh_key, sums_
     stats = {n: _check_stat(op, n, s, xa, lead, dtype) for n, s in stats}
     bias_only = bias is not None and w is None
     if bias is not None:
-        _param(op, "bias", bias, xa, ns)
+        _check_same_params(op, w, _param(op, "bias", bias, xa, ns))
     rows, cols = math.prod(lead), math.prod(ns)
     if cols > _plan.MAX_COLS:
         raise ValueError(f"{op}: the normalised dimensions {ns} have {cols} elements; at most "
@@ -380,23 +392,25 @@ def _backward_checked(op: str, dy, x, mean, rstd, weight, bias, fresh_key, sums_
         dw = db = None
         if bias_only:
             # dbias = dy summed over rows: the weighted kernels with a weight of ones (dy * 1
-            # is exact) give it from their float32 column sums; their dweight is dropped
-            w = c.cp.ones(ns, xa.dtype)
+            # is exact) in bias's dtype give it from their float32 column sums; their dweight
+            # is dropped
+            w = c.cp.ones(ns, c.adapt(op, "bias", bias).array.dtype)
+        pf32 = _wide_params(w, xa)
         if w is not None:
-            gdt = _stat_dtype(dtype) if sums_dtype else xa.dtype
+            gdt = _stat_dtype(dtype) if sums_dtype else w.dtype
             dw = c.cp.empty(ns, gdt)
             db = c.cp.empty(ns, gdt) if layer else None
         if rows and cols:
             xv, sx = _rows_view(xa, k)
             dyv, sdy = _rows_view(dya, k)
-            sw = _plan.Switches(weight=w is not None)
+            sw = _plan.Switches(weight=w is not None, float32_params=pf32)
             arrays = (dyv, xv, w, dx)
             key = (op, dev, dtype, xa.shape, k, sx, sdy, sw, c.pointer_bits(arrays))
             launch = _launches.get(key)
             if launch is None:
                 launch = _launches[key] = _plan_backward(
                     op, dtype, dev, rows, cols, [a.data.ptr for a in arrays if a is not None],
-                    [sx, sdy], sw)
+                    [sx, sdy], sw, None if w is None else w.dtype)
             _launch_backward(launch, layer, dyv, xv, stats.get("mean"), stats["rstd"], w, dx,
                              dw, db)
             no_copies = dyv is dya and xv is xa and _uncopied(w, weight) and \
@@ -419,7 +433,9 @@ def _wrap_opt(wrap, a):
     return None if a is None else wrap(a)
 
 
-def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, sw) -> _Launches:
+def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, sw, pdt) -> _Launches:
+    """The launches of a backward; ``pdt``: the weight's dtype (None without one), which
+    dweight and dbias are returned in."""
     plan = c.plan_for(op, dtype, dev, rows, cols, ptrs, strides, switches=sw)
     sx, sdy = strides
     main = c.Launch(plan, dev, (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx),
@@ -427,8 +443,11 @@ def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, sw) -> _Launches:
     grad = _plan.plan_param_grad(plan, c.device_spec(dev))
     if grad is None:
         return _Launches(main)
-    reduce_name, partial_name = registry.get(op).aux(dtype, grad.partial.pack_size
-                                                     if grad.partial else 1)
+    # float32 parameters of 16-bit x: dweight and dbias from float32's reduce kernel (the
+    # partial sums are float32 either way)
+    gdt = "float32" if sw.float32_params else dtype
+    reduce_name = registry.get(op).aux(gdt, 1)[0]
+    partial_name = registry.get(op).aux(dtype, grad.partial.pack_size if grad.partial else 1)[1]
     source = plan.family
     reduce = c.AuxLaunch(source, reduce_name, grad.reduce, dev,
                          (np.int64(grad.prows), np.int32(cols), np.int32(grad.reduce.vec)))
@@ -436,7 +455,7 @@ def _plan_backward(op, dtype, dev, rows, cols, ptrs, strides, sw) -> _Launches:
     if grad.partial is not None:
         partial = c.AuxLaunch(source, partial_name, grad.partial, dev,
                               (np.int64(rows), np.int32(cols), np.int64(sdy), np.int64(sx)))
-    return _Launches(main, grad, partial, reduce)
+    return _Launches(main, grad, partial, reduce, pdt)
 
 
 def last_plan(op: str):

@@ -40,6 +40,8 @@ class Switches:
     weight: bool = False
     bias: bool = False
     residual: bool = False
+    # weight and bias in float32 with 16-bit data (OpPolicy.float32_params): kernels of their own
+    float32_params: bool = False
 
     def __str__(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]

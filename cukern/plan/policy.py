@@ -221,6 +221,9 @@ class OpPolicy:
     pair_rows: bool = False
     # cluster plans of this many blocks or more run in one wave looping over rows (0: never)
     one_wave_cluster: int = 0
+    # takes float32 weight and bias with 16-bit data (Switches.float32_params): planned as the
+    # uncached kernel, the one instantiated for them (kernels/norm.cuh)
+    float32_params: bool = False
     # the family's signature: plan -> C++ name expression
     signature: Callable = field(default=None, repr=False, compare=False)
     # switch combinations this op's kernels were built for: the default first

@@ -11,6 +11,7 @@ backward that also sums over rows goes to ``col_sums.plan_col_sums``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from .._device import DeviceSpec
@@ -78,9 +79,12 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
         raise ValueError(f"plan: {pol.op} over rows of {cols} columns; at most {MAX_COLS} "
                          f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
     sw = Switches() if switches is None else switches
-    if sw not in pol.switch_sets:
+    if not isinstance(sw, Switches) or \
+            dataclasses.replace(sw, float32_params=False) not in pol.switch_sets:
         raise ValueError(f"plan: {pol.op} takes switches from {[str(s) for s in pol.switch_sets]}"
                          f", got {sw}")
+    if sw.float32_params:
+        _check_float32_params(pol, sw, dtype, strided)
     if strided and not pol.strided:
         raise ValueError(f"plan: {pol.op} has no strided kernels; rows must have contiguous "
                          f"columns")
@@ -92,6 +96,12 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
                 device=device.name, switches=sw, policy=pol)
     # dweight/dbias: kept on chip beside a cached row, one wave of blocks, each a partial row
     sums = pol.col_sums if sw.weight else 0
+    if sw.float32_params:  # the uncached kernel, a block as wide as the row's packs need
+        plan = _uncached(base, sums, device, rows,
+                         min(tune.uncached_block, block_threads_for(cols // pack, tune)))
+        return replace(plan, notes=("float32 weight and bias with 16-bit data: the uncached "
+                                    "kernel (x read twice), the one instantiated for them",)
+                       + plan.notes[1:])
 
     if cols <= (tune.warp_max_cols_with_sums if sums else tune.warp_max_cols):
         return _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune)
@@ -239,13 +249,25 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
     return replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
 
 
-def _uncached(base: dict, sums: int, device: DeviceSpec, rows: int) -> Plan:
+def _check_float32_params(pol: OpPolicy, sw: Switches, dtype: str, strided: bool) -> None:
+    if not pol.float32_params:
+        raise ValueError(f"plan: {pol.op} takes no float32 parameters")
+    if ITEMSIZE[dtype] != 2:
+        raise ValueError(f"plan: float32 parameters go with float16 or bfloat16 data, not "
+                         f"{dtype}")
+    if not (sw.weight or sw.bias) or strided:
+        raise ValueError("plan: float32 parameters need a weight or a bias, and rows with "
+                         "contiguous columns")
+
+
+def _uncached(base: dict, sums: int, device: DeviceSpec, rows: int,
+              threads: int | None = None) -> Plan:
     notes = ("row too long to keep on chip: read twice from memory",)
     if sums:
         notes += ("column sums by a separate pass over x and dy (norm_param_grad_partial)",)
     tune = tuning_for(device)
-    plan = Plan(variant=Variant.BLOCK_UNCACHED, block=(tune.uncached_block, 1), grid=1,
-                smem_bytes=0, notes=notes, **NO_WARP, **base)
+    plan = Plan(variant=Variant.BLOCK_UNCACHED, block=(threads or tune.uncached_block, 1),
+                grid=1, smem_bytes=0, notes=notes, **NO_WARP, **base)
     return replace(plan, grid=num_blocks(device, plan.threads, rows))
 
 
@@ -282,6 +304,10 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
             if not sums:
                 add(Variant.BLOCK_SMEM, threads, overlap=o)
         add(Variant.BLOCK_UNCACHED, tune.uncached_block)
+        if pol.float32_params and item == 2 and not strided and (sw.weight or sw.bias):
+            base["switches"] = dataclasses.replace(sw, float32_params=True)
+            add(Variant.BLOCK_UNCACHED, tune.uncached_block)
+            base["switches"] = sw
         if sums:
             for shape in col_sums.reachable_shapes(dtype, device, strided):
                 add(shape.pop("variant"), shape.pop("threads"), **shape)

@@ -57,8 +57,9 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """``F.layer_norm``: ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing
     dimensions ``normalized_shape`` (biased variance). x float16, bfloat16, float32 or
-    float64; weight and bias of shape ``normalized_shape`` and x's dtype. Returns y,
-    contiguous, x's shape and dtype; gradients for x, weight and bias."""
+    float64; weight and bias of shape ``normalized_shape`` and x's dtype, or float32 for
+    16-bit x (mixed precision: both of one dtype). Returns y, contiguous, x's shape and dtype;
+    gradients for x, weight and bias (in the parameters' dtype)."""
     return torch.ops.cukern.layer_norm(x, _shape(normalized_shape), weight, bias, eps)[0]
 
 
