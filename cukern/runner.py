@@ -40,6 +40,7 @@ from ._interop import (  # noqa: F401
     torch_view,
     torch_views,
 )
+from ._launch import RawLaunch, bits
 
 try:
     from ml_dtypes import bfloat16 as _bf16
@@ -344,25 +345,16 @@ def kernel(plan: _plan.Plan, device_id: int):
     return kern
 
 
-try:  # CuPy passes pre-converted scalars through as they are: no per-call conversion
-    from cupy._core._scalar import CScalar as _CScalar
-except ImportError:  # pragma: no cover
-    _CScalar = None
-
-
 def _c_scalars(values: tuple) -> tuple:
-    if _CScalar is None:
-        return values
-    try:
-        return tuple(_CScalar(v) for v in values)
-    except Exception:  # pragma: no cover - a CuPy without this private constructor
-        return values
+    """Scalar kernel arguments converted once to their slots' bits (:func:`_launch.bits`), for
+    arguments that stay fixed from call to call."""
+    return tuple(bits(v) for v in values)
 
 
 class Launch:
     """A planned, compiled kernel with its fixed arguments: the cached result of planning."""
 
-    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "tail")
+    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "raw")
 
     def __init__(self, plan: _plan.Plan, device_id: int, tail: tuple):
         """Compiles and configures the kernel: call it with ``device_id`` current."""
@@ -372,26 +364,25 @@ class Launch:
         self.grid = (plan.grid,)
         self.block = plan.block
         self.smem = plan.smem_bytes
-        self.tail = _c_scalars(tail)
+        self.raw = RawLaunch(self.kernel.kernel.ptr, self.grid, self.block, self.smem, tail)
 
     def __call__(self, *arrays) -> None:
-        self.kernel(self.grid, self.block, arrays + self.tail, shared_mem=self.smem)
+        self.raw(*arrays)
 
 
 class AuxLaunch:
     """An auxiliary kernel of a plan (the backward's partial sums and their reduction), as the
-    planner shaped it (``cukern.plan.col_sums.AuxLaunch``), with its fixed arguments."""
+    planner shaped it (``cukern.plan.col_sums.AuxLaunch``), with its fixed arguments. Build it
+    with ``device_id`` current."""
 
-    __slots__ = ("kernel", "grid", "block", "tail")
+    __slots__ = ("raw",)
 
     def __init__(self, source: str, name: str, shape, device_id: int, tail: tuple):
-        self.kernel = _compile.get_kernel(source, name, device_id)
-        self.grid = shape.grid
-        self.block = shape.block
-        self.tail = _c_scalars(tail)
+        kern = _compile.get_kernel(source, name, device_id)
+        self.raw = RawLaunch(kern.kernel.ptr, shape.grid, shape.block, 0, tail)
 
     def __call__(self, *arrays) -> None:
-        self.kernel(self.grid, self.block, arrays + self.tail)
+        self.raw(*arrays)
 
 
 def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers, row_strides,

@@ -9,12 +9,13 @@ import numpy as np
 
 from .. import _compile
 from .. import runner as c
+from .._launch import RawLaunch
 from ..plan import batch_norm as bnplan
 from .batch_norm_args import _empty_like, _stat_dtype
 
 __all__: list[str] = []  # cukern.ops.batch_norm's internals
 
-_NULL = np.uint64(0)  # a null pointer argument
+_NULL = 0  # a null pointer argument (cukern._launch slot value)
 _SOURCE = "batch_norm"
 _last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
 
@@ -22,18 +23,16 @@ _last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
 class _Kernel:
     """One planned step, compiled, with its grid, block and dynamic shared memory."""
 
-    __slots__ = ("kind", "pack", "kernel", "grid", "block", "smem")
+    __slots__ = ("kind", "pack", "raw")
 
     def __init__(self, step: bnplan.Step, device_id: int):
         self.kind = step.kind
         self.pack = step.targs[1] if len(step.targs) > 1 else 1  # elements a thread's access
-        self.kernel = _compile.get_kernel(_SOURCE, step.kernel, device_id)
-        self.grid = step.grid
-        self.block = step.block
-        self.smem = step.smem
+        kern = _compile.get_kernel(_SOURCE, step.kernel, device_id)
+        self.raw = RawLaunch(kern.kernel.ptr, step.grid, step.block, step.smem)
 
     def __call__(self, *args) -> None:
-        self.kernel(self.grid, self.block, args, shared_mem=self.smem)
+        self.raw(*args)
 
 
 class _Launches:

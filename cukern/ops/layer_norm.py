@@ -24,7 +24,7 @@ from ._norm_args import wide_params as _wide_params
 
 __all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
-_NULL = np.uint64(0)  # a null pointer argument
+_NULL = 0  # a null pointer argument (cukern._launch slot value)
 _launches: dict[tuple, _Launches] = c.BoundedDict()
 # Fast path: calls with CuPy arrays (or PyTorch tensors on CuPy's current stream, through their
 # CuPy views) whose every argument (shapes, strides, dtypes, devices, pointer alignment, eps,
@@ -280,7 +280,7 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
             _last[op] = launch.main.plan
             if (fresh_key is not None and xv is xa and _uncopied(w, weight)
                     and _uncopied(b, bias)):  # no copies: the fast path reads the arguments
-                _fresh[fresh_key] = (launch, lead, sdt, sdt(eps))
+                _fresh[fresh_key] = (launch, lead, sdt, c.bits(sdt(eps)))
         elif rows and return_stats:  # nothing to normalise: the statistics of no values
             rstd.fill(np.nan)
             if mean is not None:
@@ -331,8 +331,10 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
         partial = c.cp.empty((grad.nacc, grad.prows, launch.main.plan.cols),
                              _stat_dtype(launch.main.plan.dtype))
         c.keep(partial)  # a captured graph writes it on every replay
-    p0 = _arg(None if partial is None else partial[0])
-    p1 = _arg(None if partial is None or not layer else partial[1])
+    p0 = p1 = _NULL  # partial[0], partial[1] as pointers (no views made)
+    if partial is not None:
+        p0 = partial.data.ptr
+        p1 = p0 + partial.strides[0] if layer else _NULL
     launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
     if launch.partial is not None:  # the main kernel keeps no column sums: from x and dy
         launch.partial(dyv, xv, _arg(mean), rstd, p0, p1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .. import _compile
 from .. import runner as c
+from .._launch import ByValue, RawLaunch
 from ..families import permute as fam
 from ..plan import permute as pp
 from ..plan.permute import check_dtype
@@ -244,31 +245,20 @@ class _Launch:
     """A planned, compiled permute kernel with its argument struct: the cached result of
     planning one layout."""
 
-    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "args")
+    __slots__ = ("plan", "device_id", "raw")
 
     def __init__(self, plan: pp.PermutePlan, device_id: int):
+        """Compiles and configures the kernel: call it with ``device_id`` current."""
         self.plan = plan
         self.device_id = device_id
-        self.kernel = _compile.get_kernel(fam.SOURCE, plan.kernel, device_id)
-        if plan.smem > _DEFAULT_SMEM and self.kernel.max_dynamic_shared_size_bytes < plan.smem:
-            self.kernel.max_dynamic_shared_size_bytes = plan.smem
-        self.grid = (plan.grid,)
-        self.block = (plan.block[0], plan.block[1])
-        self.smem = plan.smem
-        self.args = _by_value(fam.kernel_args(plan))
+        kern = _compile.get_kernel(fam.SOURCE, plan.kernel, device_id)
+        if plan.smem > _DEFAULT_SMEM and kern.max_dynamic_shared_size_bytes < plan.smem:
+            kern.max_dynamic_shared_size_bytes = plan.smem
+        self.raw = RawLaunch(kern.kernel.ptr, (plan.grid,), (plan.block[0], plan.block[1]),
+                             plan.smem, (ByValue(fam.kernel_args(plan)),))
 
     def __call__(self, x, y) -> None:
-        self.kernel(self.grid, self.block, (x, y, self.args), shared_mem=self.smem)
-
-
-def _by_value(args):
-    """A size-1 structured array as the kernel argument CuPy passes by value, wrapped once
-    (CuPy would read its ``__array_interface__`` on every launch: about 5 us)."""
-    try:
-        from cupy.cuda.function import CNumpyArray
-    except ImportError:  # pragma: no cover - an older CuPy: the array itself
-        return args
-    return CNumpyArray(args)
+        self.raw(x, y)
 
 
 def _align(ptr: int) -> int:
