@@ -5,8 +5,9 @@ JAX in, the same kind out, <= 15 us; issue 29: CuPy inputs at or below PyTorch's
 Host time: the median over 400 batches of the time to enqueue 16 calls onto an idle GPU, a call
 (``_bench.enqueue_us``): what the caller's thread spends, apart from the GPU's time. Arrays:
 (4, 8) float32 for the row-wise ops and permute, (2, 8, 4, 4) for batch norm; results fresh
-(no ``out=``). PyTorch's ops are its public functions (``torch.softmax``, ``F.layer_norm``,
-...) or the aten backward its autograd calls; JAX's are jitted.
+(no ``out=``), and ``cukern.prepare``'s call (fresh result, and with ``out=``). PyTorch's ops
+are its public functions (``torch.softmax``, ``F.layer_norm``, ...) or the aten backward its
+autograd calls; JAX's are jitted.
 
     python benchmarks/bench_host.py [--out DIR]
 
@@ -77,6 +78,22 @@ def cukern_calls() -> dict:
     }
 
 
+def prepared_calls(a: dict) -> dict:
+    """op -> (prepared call, its array arguments) for the ops cukern.prepare takes."""
+    spec = {"softmax": ((a["x"],), ()), "log_softmax": ((a["x"],), ()),
+            "softmax_backward": ((a["dy"], a["y"]), ()),
+            "log_softmax_backward": ((a["dy"], a["ly"]), ()),
+            "layer_norm": ((a["x"],), ((COLS,), a["w"], a["b"])),
+            "rms_norm": ((a["x"],), ((COLS,), a["w"])),
+            "permute": ((a["x"],), ((1, 0),))}
+    out = {}
+    for op, (arrays, extra) in spec.items():
+        p = cukern.prepare(op, *arrays, *extra)
+        args = arrays + tuple(e for e in extra if isinstance(e, cp.ndarray))
+        out[op] = (p, args)
+    return out
+
+
 def torch_calls() -> dict:
     import torch
     import torch.nn.functional as F
@@ -144,12 +161,18 @@ def measure() -> list[dict]:
         peers["jax"] = (jax_calls(), kinds["jax"])
     except ImportError:
         print("JAX is not installed: no JAX rows", flush=True)
+    prepared = prepared_calls(a)
     cp.cuda.Device().synchronize()
     rows = []
     for op, call in cukern_calls().items():
         row = {"op": op, "dtype": "float32"}
         for kind, args in kinds.items():
             row[f"cukern_{kind}_us"] = _bench.enqueue_us(lambda: call(args))
+        if op in prepared:
+            p, pargs = prepared[op]
+            out = p(*pargs)
+            row["prepared_us"] = _bench.enqueue_us(lambda: p(*pargs))
+            row["prepared_out_us"] = _bench.enqueue_us(lambda: p(*pargs, out=out))
         for peer, (calls, args) in peers.items():
             if op in calls:
                 row[f"{peer}_us"] = _bench.enqueue_us(lambda: calls[op](args))
@@ -179,8 +202,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in ("cukern_cupy_us", "cukern_torch_us", "cukern_jax_us", "torch_us",
-                        "jax_us") if any(k in r for r in rows)]
+    keys = [k for k in ("cukern_cupy_us", "prepared_us", "prepared_out_us", "cukern_torch_us",
+                        "cukern_jax_us", "torch_us", "jax_us") if any(k in r for r in rows)]
     fig, ax = plt.subplots(figsize=(11, 4.2))
     width = 0.8 / len(keys)
     for i, k in enumerate(keys):

@@ -12,6 +12,7 @@ from . import _env  # noqa: F401  first: makes CuPy's kernel-cache folder work (
 from ._capture import capture_memory_bytes, release_capture_memory
 from ._device import DeviceSpec, UnsupportedDeviceError
 from ._explain import explain
+from ._prepare import Prepared, prepare
 from .ops.batch_norm import batch_norm, batch_norm_backward, batch_stats
 from .ops.layer_norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .ops.permute import permute, to_nchw, to_nhwc
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DeviceSpec",
     "Plan",
+    "Prepared",
     "Switches",
     "UnsupportedDeviceError",
     "Variant",
@@ -36,6 +38,7 @@ __all__ = [
     "log_softmax",
     "log_softmax_backward",
     "permute",
+    "prepare",
     "release_capture_memory",
     "rms_norm",
     "rms_norm_backward",
