@@ -29,6 +29,7 @@ _MASK64 = (1 << 64) - 1
 
 try:
     import cupy as _cp
+    from cupy_backends.cuda.api.driver import CUDADriverError as _DriverError
     from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 
     _ndarray = _cp.ndarray
@@ -36,6 +37,8 @@ try:
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     _cp = _launch_kernel = _current_stream = None
     _ndarray = type(None)
+    _DriverError = RuntimeError
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 def bits(value) -> int:
@@ -115,5 +118,14 @@ class RawLaunch:
                 self._build(n)
             if n:
                 self._slots[0:n] = values
-            _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
-                           _current_stream().ptr, self._params, 0)
+            try:
+                _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
+                               _current_stream().ptr, self._params, 0)
+            except _DriverError as e:
+                if e.status != _INVALID_CONTEXT:
+                    raise
+                # a thread with no runtime call yet (a Dask or user thread whose arrays came
+                # from CuPy's pool) has no current context: set it up, as CuPy's launch does
+                _cp.cuda.runtime.free(0)
+                _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
+                               _current_stream().ptr, self._params, 0)

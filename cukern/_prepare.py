@@ -100,7 +100,7 @@ class Prepared:
         for s, a in zip(self._sigs, arrays):
             q = a.data.ptr
             if p + o.lo < q + s.hi and q + s.lo < p + o.hi:  # the byte ranges meet
-                if a is out or (p == q and self._in_place and a.strides == out.strides):
+                if self._in_place and (a is out or (p == q and a.strides == out.strides)):
                     continue
                 raise ValueError(f"prepare({self.op!r}): out overlaps {s.name}; pass a "
                                  f"separate array")
