@@ -18,6 +18,11 @@ on the last). Arrays up to 64 MiB are timed in three interleaved rounds, each ke
 Host overhead: time per call on a 4x32 float32 array, best of 5 x 1000 calls.
 
     python benchmarks/bench_permute.py [--quick] [--groups ...] [--dtypes ...] [--out DIR]
+        [--byte-regs 1,2|1|2|none] [--tag TAG]
+
+``--byte-regs`` plans with the tuning's perm_byte_regs set to those element sizes (the tile
+kernel's phase 2 transposing 32-bit shared-memory words in registers; ``none``: the gather of
+one element a load everywhere), for an A/B of the switch; give such a run its own ``--tag``.
 
 Writes permute_<gpu>.json and .png, appends a row per shape to history.csv (every run; the
 CuPy peer's time is in the row's note), prints a table and the issue's targets met or missed.
@@ -26,6 +31,7 @@ CuPy peer's time is in the row's note), prints a table and the issue's targets m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -226,7 +232,7 @@ def _plan(shape, dtype: str, axes) -> tuple[str, str]:
         return "", f"explain failed: {type(err).__name__}: {err}"[:300]
     variant = str(getattr(plan, "kind", "") or "")  # copy | tile | general
     if variant == "tile" and getattr(plan, "tile", None):
-        variant += " {}x{}".format(*plan.tile)
+        variant += " {}x{}".format(*plan.tile) + (" regs" if getattr(plan, "regs", False) else "")
     return variant, " ".join(str(plan).split())[:400]
 
 
@@ -386,9 +392,32 @@ def plot(results, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def history_rows(results) -> list[dict]:
+def force_byte_regs(sizes: tuple[int, ...]) -> None:
+    """Plan every permute of this process with the tuning's perm_byte_regs set to ``sizes``
+    (the planner's table lookup wrapped, as the tests change a rule)."""
+    from cukern.plan import permute as pp
+
+    real = pp.tuning_for
+    pp.tuning_for = lambda device: dataclasses.replace(real(device), perm_byte_regs=sizes)
+
+
+def _byte_regs_arg(text: str) -> tuple[int, ...]:
+    """--byte-regs: "none" or element sizes among 1 and 2, comma-separated."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1,2 / 1 / 2 / none, got {text!r}") from None
+    if not sizes or not set(sizes) <= {1, 2}:
+        raise argparse.ArgumentTypeError(f"element sizes among 1 and 2 or none, got {text!r}")
+    return sizes
+
+
+def history_rows(results, forced: str = "") -> list[dict]:
     """One history.csv row per shape: cukern's % of copy and the peers' times (the CuPy peer,
-    which has no column, in the note with the shape and axes)."""
+    which has no column, in the note with the shape and axes, and ``forced``: a rule the run
+    changed)."""
     rows = []
     for (group, _, shape, _dtype), by in _by_case(results).items():
         if "copy" not in by:  # skipped: too large for this GPU
@@ -396,7 +425,8 @@ def history_rows(results) -> list[dict]:
         axes = tuple(next(iter(by.values()))["axes"])
         cupy = by.get("cupy", {}).get("ms")
         note = f"{group} shape {shape} axes {axes}" + \
-            (f"; cupy_ms {cupy:.6g}" if cupy == cupy and cupy is not None else "")
+            (f"; cupy_ms {cupy:.6g}" if cupy == cupy and cupy is not None else "") + \
+            (f"; {forced}" if forced else "")
         kept = [dict(r, op=f"permute[{group}]") for p, r in by.items() if p != "cupy"]
         rows += _results.peer_rows(kept, note=lambda r, note=note: note)
     return rows
@@ -416,6 +446,10 @@ def main() -> None:
                     help="peers to time as well (those not installed are skipped), or none")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tag", default="", help="file name tag (default: the GPU, e.g. h100)")
+    ap.add_argument("--byte-regs", type=_byte_regs_arg, default=None, metavar="SIZES",
+                    help="the tuning's perm_byte_regs for this run: element sizes whose tile "
+                         "phase 2 transposes in registers (1,2 / 1 / 2), or none (the gather "
+                         "everywhere); default: the table's")
     args = ap.parse_args()
     groups = [g for g in args.groups.split(",") if g]
     unknown = set(groups) - set(GROUPS)
@@ -427,6 +461,11 @@ def main() -> None:
     if set(peers) - set(PEERS):
         ap.error(f"--peers: expected some of {', '.join(PEERS)} or none")
     reps = args.reps or (10 if args.quick else 30)
+    forced = ""
+    if args.byte_regs is not None:
+        force_byte_regs(args.byte_regs)
+        forced = f"perm_byte_regs {args.byte_regs}"
+        print(f"planning with {forced}", flush=True)
     spec = DeviceSpec.from_device()
     run = _results.Run(args.out, "permute", spec.name, tag=args.tag, quick=args.quick)
     try:
@@ -437,10 +476,11 @@ def main() -> None:
     results = sweep(cases, dtypes, reps, peers)
     overhead = host_overhead_us()
     payload = run.merge_previous(dict(cupy=cp.__version__, results=results,
-                                      host_overhead_us=overhead),
+                                      host_overhead_us=overhead,
+                                      **({"forced": forced} if forced else {})),
                                  key=lambda r: (r["group"], r["dtype"]))
     run.save(payload)
-    n = run.append(history_rows(results))
+    n = run.append(history_rows(results, forced))
     print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
     plot(payload["results"], run.png_path,
          f"cukern permute on {spec.name} (% of a same-size device copy)")
