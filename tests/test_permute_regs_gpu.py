@@ -20,7 +20,16 @@ from cukern.ops import permute as ops
 from cukern.plan import permute as pp
 
 from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compiled first)
-    assert_bits, check, device_from_raw, expected, host, poison, put, raw, warm_permute)
+    assert_bits,
+    check,
+    device_from_raw,
+    expected,
+    host,
+    poison,
+    put,
+    raw,
+    warm_permute,
+)
 from .test_permute_regs_cpu import REGS_CASES, case_plan
 
 cp = pytest.importorskip("cupy")
