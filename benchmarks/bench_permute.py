@@ -18,6 +18,14 @@ on the last). Arrays up to 64 MiB are timed in three interleaved rounds, each ke
 Host overhead: time per call on a 4x32 float32 array, best of 5 x 1000 calls.
 
     python benchmarks/bench_permute.py [--quick] [--groups ...] [--dtypes ...] [--out DIR]
+        [--byte-regs 1,2|1|2|none] [--ab-byte-regs] [--tag TAG]
+
+``--byte-regs`` plans with the tuning's perm_byte_regs set to those element sizes (the tile
+kernel's phase 2 transposing 32-bit shared-memory words in registers; ``none``: the gather of
+one element a load everywhere), for an A/B of the switch; give such a run its own ``--tag``.
+``--ab-byte-regs`` times both in one run instead: wherever cukern's plan transposes in
+registers, the same plan with the gather (peer ``gather``, interleaved in the same rounds;
+its % of copy on each line, its time in the history row's note).
 
 Writes permute_<gpu>.json and .png, appends a row per shape to history.csv (every run; the
 CuPy peer's time is in the row's note), prints a table and the issue's targets met or missed.
@@ -35,6 +43,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside Cu
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+import _permute_regs as regs  # noqa: E402
 import _results  # noqa: E402
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -159,8 +168,9 @@ def _free_peers() -> None:
         pass
 
 
-def measure(group, label, shape, axes, name, reps, peers) -> list[dict]:
-    """One shape and dtype: the copy, cukern and each peer, rows as _bench.sweep's."""
+def measure(group, label, shape, axes, name, reps, peers, ab: bool = False) -> list[dict]:
+    """One shape and dtype: the copy, cukern and each peer (``ab``: and cukern's gather
+    phase 2, where its plan transposes in registers), rows as _bench.sweep's."""
     dtype = np_dtype(name)
     nbytes = math.prod(shape) * dtype.itemsize
     n_sets = max(1, min(MAX_SETS, -(-ROTATE_BYTES // (2 * nbytes))))
@@ -174,6 +184,9 @@ def measure(group, label, shape, axes, name, reps, peers) -> list[dict]:
     s = Sets(shape, axes, dtype, n_sets)
     reps = reps if nbytes < LARGE_BYTES else max(3, reps // 3)
     timers: dict[str, tuple] = {"copy": (_copy_fn(s), None), "cukern": (_cukern_fn(s), None)}
+    gather = regs.gather_fn(s.xs, s.outs, s.axes) if ab else None
+    if gather is not None:
+        timers["gather"] = (gather, None)
     errors: dict[str, str] = {}
     for peer in peers:
         try:
@@ -200,7 +213,9 @@ def measure(group, label, shape, axes, name, reps, peers) -> list[dict]:
             best[who] = min(best.get(who, ms), ms)
     copy_gbps = 2 * nbytes / best["copy"] / 1e6
     out = []
-    for who in ("copy", "cukern", *peers):
+    for who in ("copy", "cukern", *peers, "gather"):
+        if who == "gather" and who not in best:
+            continue
         if who in errors:
             out.append(dict(row, peer=who, ms=float("nan"), gbps=float("nan"),
                             pct_copy=float("nan"), error=errors[who]))
@@ -226,15 +241,15 @@ def _plan(shape, dtype: str, axes) -> tuple[str, str]:
         return "", f"explain failed: {type(err).__name__}: {err}"[:300]
     variant = str(getattr(plan, "kind", "") or "")  # copy | tile | general
     if variant == "tile" and getattr(plan, "tile", None):
-        variant += " {}x{}".format(*plan.tile)
+        variant += " {}x{}".format(*plan.tile) + (" regs" if getattr(plan, "regs", False) else "")
     return variant, " ".join(str(plan).split())[:400]
 
 
-def sweep(cases, dtypes, reps: int, peers) -> list[dict]:
+def sweep(cases, dtypes, reps: int, peers, ab: bool = False) -> list[dict]:
     results = []
     _bench.warm_up(2.0)
     for (group, label, shape, axes), name in itertools.product(cases, dtypes):
-        rows = measure(group, label, shape, axes, name, reps, peers)
+        rows = measure(group, label, shape, axes, name, reps, peers, ab)
         results += rows
         print(_line(rows), flush=True)
     return results
@@ -282,6 +297,9 @@ def _line(rows) -> str:
     if ours.get("error"):
         return f"{r0['group']:<11} {r0['dtype']:<9} {str(tuple(r0['shape'])):<24} {ours['error']}"
     cells = []
+    if "gather" in by:
+        cells.append(f"gather {by['gather']['pct_copy']:5.1f}% "
+                     f"({by['gather']['ms'] / ours['ms']:5.2f}x)")
     for p in PEERS:
         if p in by and by[p].get("error") is None:
             cells.append(f"{p} {by[p]['pct_copy']:5.1f}% ({by[p]['ms'] / ours['ms']:5.2f}x)")
@@ -386,18 +404,23 @@ def plot(results, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def history_rows(results) -> list[dict]:
+def history_rows(results, forced: str = "") -> list[dict]:
     """One history.csv row per shape: cukern's % of copy and the peers' times (the CuPy peer,
-    which has no column, in the note with the shape and axes)."""
+    which has no column, in the note with the shape and axes, and ``forced``: a rule the run
+    changed)."""
     rows = []
     for (group, _, shape, _dtype), by in _by_case(results).items():
         if "copy" not in by:  # skipped: too large for this GPU
             continue
         axes = tuple(next(iter(by.values()))["axes"])
         cupy = by.get("cupy", {}).get("ms")
+        gather = by.get("gather", {}).get("ms")
         note = f"{group} shape {shape} axes {axes}" + \
-            (f"; cupy_ms {cupy:.6g}" if cupy == cupy and cupy is not None else "")
-        kept = [dict(r, op=f"permute[{group}]") for p, r in by.items() if p != "cupy"]
+            (f"; cupy_ms {cupy:.6g}" if cupy == cupy and cupy is not None else "") + \
+            (f"; gather_ms {gather:.6g}" if gather == gather and gather is not None else "") + \
+            (f"; {forced}" if forced else "")
+        kept = [dict(r, op=f"permute[{group}]") for p, r in by.items()
+                if p not in ("cupy", "gather")]
         rows += _results.peer_rows(kept, note=lambda r, note=note: note)
     return rows
 
@@ -416,6 +439,13 @@ def main() -> None:
                     help="peers to time as well (those not installed are skipped), or none")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tag", default="", help="file name tag (default: the GPU, e.g. h100)")
+    ap.add_argument("--byte-regs", type=regs.byte_regs_arg, default=None, metavar="SIZES",
+                    help="the tuning's perm_byte_regs for this run: element sizes whose tile "
+                         "phase 2 transposes in registers (1,2 / 1 / 2), or none (the gather "
+                         "everywhere); default: the table's")
+    ap.add_argument("--ab-byte-regs", action="store_true",
+                    help="also time the gather phase 2 wherever cukern's plan transposes in "
+                         "registers, interleaved in the same rounds (peer 'gather')")
     args = ap.parse_args()
     groups = [g for g in args.groups.split(",") if g]
     unknown = set(groups) - set(GROUPS)
@@ -427,6 +457,11 @@ def main() -> None:
     if set(peers) - set(PEERS):
         ap.error(f"--peers: expected some of {', '.join(PEERS)} or none")
     reps = args.reps or (10 if args.quick else 30)
+    forced = ""
+    if args.byte_regs is not None:
+        regs.force_byte_regs(args.byte_regs)
+        forced = f"perm_byte_regs {args.byte_regs}"
+        print(f"planning with {forced}", flush=True)
     spec = DeviceSpec.from_device()
     run = _results.Run(args.out, "permute", spec.name, tag=args.tag, quick=args.quick)
     try:
@@ -434,17 +469,19 @@ def main() -> None:
     except Exception as err:  # the first calls compile instead (in the warm-up calls)
         print(f"warm_kernels: {type(err).__name__}: {err}", flush=True)
     cases = [c for c in shapes(args.quick) if c[0] in groups]
-    results = sweep(cases, dtypes, reps, peers)
+    results = sweep(cases, dtypes, reps, peers, args.ab_byte_regs)
     overhead = host_overhead_us()
     payload = run.merge_previous(dict(cupy=cp.__version__, results=results,
-                                      host_overhead_us=overhead),
+                                      host_overhead_us=overhead,
+                                      **({"forced": forced} if forced else {})),
                                  key=lambda r: (r["group"], r["dtype"]))
     run.save(payload)
-    n = run.append(history_rows(results))
+    n = run.append(history_rows(results, forced))
     print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
     plot(payload["results"], run.png_path,
          f"cukern permute on {spec.name} (% of a same-size device copy)")
     table(results)
+    regs.ab_summary(_by_case(results))
     print("\nhost overhead (us per call, 4x32 float32):",
           {k: round(v, 2) for k, v in overhead.items()})
     _results.print_misses(check_targets(results, overhead), " at {} shapes")

@@ -10,12 +10,16 @@
 //                                 contiguous on both sides (W: a vector of elements, 16 bytes
 //                                 where alignment allows, with a byte tail for one-row copies);
 //                                 the general strided kernel otherwise (W: one element).
-//   permute_tile<T, VI, VO, IDX>  a batched 2-D transpose through shared memory: dim i (input
+//   permute_tile<T, VI, VO, IDX, REGS>
+//                                 a batched 2-D transpose through shared memory: dim i (input
 //                                 stride 1) by dim o (output stride 1) in tiles of ti x to,
 //                                 loaded VI elements a word along i, stored VO a word along o;
 //                                 the other dims are a batch of any strides. A tile side that is
 //                                 one contiguous run of memory (a short dim held whole: C = 3,
-//                                 HW = 49) is moved as that flat run, in full words.
+//                                 HW = 49) is moved as that flat run, in full words. REGS (1-
+//                                 and 2-byte elements, output rows, tile rows 4 (mod 8)
+//                                 elements apart): phase 2 reads 32-bit words of shared memory
+//                                 and transposes them in registers.
 //
 // IDX is int where every offset and count fits in 31 bits, long long past that. Divisions by
 // run-time sizes use FastDiv (quotients of n < 2^31); 64-bit kernels divide natively only where
@@ -165,7 +169,8 @@ __global__ void __launch_bounds__(perm::kThreads)
 // for a flat input run). Phase 1 loads words of VI elements along i (or along the flat run) and
 // stores them to shared memory; phase 2 gathers VO elements along o for one i into a word and
 // stores it along the output row (or the flat output run). Phase 2 lanes take 2^group adjacent
-// o-words of one row (32 bytes: whole sectors), then the next rows.
+// o-words of one row (32 bytes: whole sectors), then the next rows. REGS: phase 2 reads whole
+// 32-bit words of shared memory instead (perm::store_regs).
 struct PermuteTileArgs {
   perm::Batch batch;            // every dim but i and o
   long long in_base, out_base;  // element offsets of the first element visited
@@ -186,7 +191,100 @@ struct PermuteTileArgs {
   unsigned so_m, so_s;          // FastDiv constants of so (flat output)
 };
 
-template <typename T, int VI, int VO, typename IDX>
+namespace perm {
+
+// Output row r of an R x VO block held as VO 32-bit words along o, word j holding R = 4 / E
+// elements along i: the r-th element of each word, packed (__byte_perm: a 4 x 4 byte or 2 x 2
+// half-word transpose a group of R words).
+template <typename T, int VO>
+__device__ __forceinline__ void regs_row(const unsigned (&w)[VO], int r, Vec<T, VO, 4>& out) {
+  constexpr int R = 4 / int(sizeof(T));
+#pragma unroll
+  for (int m = 0; m < VO / R; ++m) {
+    const unsigned* q = w + m * R;
+    if constexpr (R == 4) {
+      // pairs of rows first: lo = (q0.b0, q1.b0, q0.b1, q1.b1), hi = the same of q2, q3
+      const unsigned lo = __byte_perm(q[0], q[1], r < 2 ? 0x5140 : 0x7362);
+      const unsigned hi = __byte_perm(q[2], q[3], r < 2 ? 0x5140 : 0x7362);
+      out.u[m] = __byte_perm(lo, hi, (r & 1) ? 0x7632 : 0x5410);
+    } else {
+      out.u[m] = __byte_perm(q[0], q[1], r ? 0x7632 : 0x5410);
+    }
+  }
+}
+
+// Phase 2 of permute_tile<..., REGS = true> (1- and 2-byte elements, output rows, a pitch of
+// 4 (mod 8) elements: row tiles, or a flat input run of such a length; VO * E >= 4): an item
+// is R = 4 / E adjacent i by VO adjacent o; its thread reads VO 32-bit words of shared memory
+// (one a tile row; the pitch keeps lanes of consecutive items on distinct banks), transposes
+// them in registers and stores R words of VO elements, one an output row. Lanes take 2^group adjacent o-words of R rows (32 bytes:
+// whole sectors), then the next R rows; 4 / R items a thread in flight (4 stores, as phase 2's
+// gather). y0: the output offset of the tile's (i0, o0).
+template <typename T, int VO, typename IDX>
+__device__ __forceinline__ void store_regs(const T* s, T* __restrict__ yb, const PermuteTileArgs& a,
+                                           int ti_e, int to_e, IDX y0, IDX i_out) {
+  constexpr int E = sizeof(T);
+  constexpr int R = 4 / E;
+  constexpr int LR = R == 4 ? 2 : 1;
+  constexpr int UR = kTileUnroll / R;
+  static_assert(E <= 2 && VO * E >= 4, "REGS: 1- or 2-byte elements, words of 4 bytes or more");
+  typedef Vec<T, VO, 4> Out;
+  const int NT = blockDim.x;
+  const int nq = a.ti >> LR;  // items along i (ti: a multiple of R, the pitch 4 (mod 8))
+  const int items = nq * a.out_words;
+  const int gmask = (1 << a.group) - 1;
+  const int pw = a.pitch / R;  // the pitch in 32-bit words
+  for (int w0 = threadIdx.x; w0 < items; w0 += UR * NT) {
+    Out v[UR][R];
+    int nr[UR], nv[UR];
+    IDX g[UR];
+#pragma unroll
+    for (int k = 0; k < UR; ++k) {
+      const int w = w0 + k * NT;
+      nr[k] = 0;
+      nv[k] = 0;
+      g[k] = 0;
+      if (w < items) {
+        const int r = w >> a.group;
+        const int og = int(fdiv(unsigned(r) << LR, a.ti_m, a.ti_s));  // r / nq
+        const int il = (r - og * nq) << LR;
+        const int ol = ((og << a.group) | (w & gmask)) * VO;
+        const int rows = ti_e - il, left = to_e - ol;
+        if (rows > 0 && left > 0) {
+          nr[k] = rows < R ? rows : R;
+          nv[k] = left < VO ? left : VO;
+          g[k] = y0 + IDX(il) * i_out + ol;
+          const unsigned* src = reinterpret_cast<const unsigned*>(s + ol * a.pitch + il);
+          unsigned words[VO];
+#pragma unroll
+          for (int j = 0; j < VO; ++j) words[j] = src[j * pw];
+#pragma unroll
+          for (int rr = 0; rr < R; ++rr) regs_row<T, VO>(words, rr, v[k][rr]);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < UR; ++k) {
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        if (rr < nr[k]) {
+          T* d = yb + g[k] + IDX(rr) * i_out;
+          if (nv[k] == VO) {
+            *reinterpret_cast<Word<VO * E>*>(d) = v[k][rr].w;
+          } else {
+#pragma unroll
+            for (int j = 0; j < VO; ++j)
+              if (j < nv[k]) d[j] = v[k][rr].e[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace perm
+
+template <typename T, int VI, int VO, typename IDX, bool REGS = false>
 __global__ void __launch_bounds__(perm::kThreads)
     permute_tile(const T* __restrict__ x, T* __restrict__ y, const PermuteTileArgs a) {
   constexpr int E = sizeof(T);
@@ -261,6 +359,12 @@ __global__ void __launch_bounds__(perm::kThreads)
       }
     }
     __syncthreads();
+
+    if constexpr (REGS) {  // words of shared memory, transposed in registers
+      perm::store_regs<T, VO, IDX>(s, yb, a, ti_e, to_e, ob + i0 * i_out + o0, i_out);
+      __syncthreads();
+      continue;
+    }
 
     // Phase 2: shared memory -> global, words of VO elements along o (or the flat run).
     const int n_out = a.flat_out ? ti_e * to_e : 0;

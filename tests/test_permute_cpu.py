@@ -348,12 +348,15 @@ def test_grid_and_blocks_fit_the_device():
 
 def test_reachable_covers_planner_output():
     reach = set(pp.reachable_steps())
-    assert len(reach) == 2 * (5 + 25 + 16 + 9 + 4 + 1)
+    # rows; tiles of 1, 2, 4, 8, 16 bytes; the register phase 2 of 1- and 2-byte elements
+    # (words of 4, 8, 16 bytes both ways); 32- and 64-bit
+    assert len(reach) == 2 * (5 + 25 + 16 + 9 + 4 + 1 + 9 + 9)
     names = fam.kernel_names("permute")("float16")
     assert names == {fam._name(t) for t in reach}
     rnd = random.Random(7)
     seen = set()
-    for _ in range(400):
+    off = dataclasses.replace(HOPPER, perm_byte_regs=())
+    for k in range(400):
         nd = rnd.randint(1, 5)
         shape = tuple(rnd.choice((1, 2, 3, 7, 8, 16, 49, 64, 200)) for _ in range(nd))
         if math.prod(shape) == 0:
@@ -362,10 +365,11 @@ def test_reachable_covers_planner_output():
         rnd.shuffle(axes)
         item = rnd.choice(pp.WORDS)
         p = plan(shape, axes, item, in_align=rnd.choice((1, 2, 4, 8, 16)),
-                 out_align=rnd.choice((1, 2, 4, 8, 16)))
+                 out_align=rnd.choice((1, 2, 4, 8, 16)), tuning=off if k % 2 else None)
         assert p.targs in reach and p.kernel == fam._name(p.targs)
-        seen.add(p.kind)
-    assert seen == set(pp.KINDS)
+        seen.add((p.kind, p.regs))
+        assert not (k % 2 and p.regs)
+    assert {k for k, _ in seen} == set(pp.KINDS) and ("tile", True) in seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +472,7 @@ def test_every_reachable_instantiation_compiles(arch):
     names = registry.kernel_names(["permute"], ["int8"], device)["permute"]
     missing = [n for n in names if not lowered.get(n)]
     assert not missing, missing[:3]
-    assert len(names) == 120
+    assert len(names) == 156 and sum(n.endswith(", true>") for n in names) == 36
 
 
 def test_source_is_self_contained_and_matches_the_planner():
@@ -491,8 +495,14 @@ def test_explain_permute():
     text = str(p)
     assert isinstance(p, pp.PermutePlan) and p.kind == "tile"
     assert "sizes (64, 3136, 256)" in text and "in strides (802816, 1, 3136)" in text
-    assert "tile               64 x 64" in text and "permute_tile<unsigned short, 8, 8, int>" \
-        in text and "32-bit" in text and "grid / block" in text
+    assert "tile               64 x 64" in text and \
+        "permute_tile<unsigned short, 8, 8, int, true>" in text and "32-bit" in text and \
+        "grid / block" in text and "2 x 8 blocks transposed in registers" in text
+    # the gather where the tuning turns the register transpose off
+    off = dataclasses.replace(HOPPER, perm_byte_regs=())
+    q = plan((64, 256, 56, 56), NHWC, 2, tuning=off)
+    assert "permute_tile<unsigned short, 8, 8, int>" in str(q) and \
+        "gathers one 2-byte element a shared-memory load" in str(q)
     e = cukern.explain("permute", (8192, 3), "float32", axes=(1, 0), device=A100)
     assert e.flat_in and "flat input run" in str(e) and "A100" in str(e)
     for dtype in ("bool", "int8", "uint16", "bfloat16", np.float64, "complex128"):
@@ -531,7 +541,7 @@ def test_registry_entry():
     assert spec.reference is reference.permute and spec.fn is cukern.permute
     assert spec.signature is fam.name_expression
     names = registry.kernel_names(["permute"], ["float32", "int8"], H100)
-    assert set(names) == {"permute"} and len(names["permute"]) == 120
+    assert set(names) == {"permute"} and len(names["permute"]) == 156
     assert registry.get("permute").cli_name == "permute"
 
 

@@ -572,7 +572,8 @@ def _random_int8(shape, seed: int):
     ((2, 2**30 + 3), (1, 0), 0),                      # a 2-D transpose, C = 2
     ((2, 3, 2**15 + 1, 2**14 + 3), (0, 2, 3, 1), 2),  # NCHW -> NHWC, C = 3
     ((2, 3, 6, 2**26 + 1), (3, 1, 0, 2), 0),          # a general order, 4-D
-], ids=["2d", "nhwc", "general"])
+    ((2, 32772, 32776), (0, 2, 1), 1),                 # rows: the register phase 2, 64-bit
+], ids=["2d", "nhwc", "general", "regs"])
 def test_past_2_31_elements(shape, axes, slab, rng):
     """int8 arrays of 2^31 elements and more: element offsets need 64-bit arithmetic. The
     result is compared, slab by slab along its axis ``slab``, with CuPy's own strided view of

@@ -4,7 +4,9 @@ materialised, moved as unsigned words by element size (the dtype does not matter
 Kernel signatures (shapes, strides, tiles and grids come with the launch, in one struct)::
 
     permute_rows<W, IDX>(const W* x, W* y, PermuteRowsArgs)          W: 1..16-byte word
-    permute_tile<T, VI, VO, IDX>(const T* x, T* y, PermuteTileArgs)  T: 1..16-byte element
+    permute_tile<T, VI, VO, IDX[, REGS]>(const T* x, T* y, PermuteTileArgs)
+                                                   T: 1..16-byte element; REGS (true) for
+                                                   the register phase 2 of 1- and 2-byte ones
 
 IDX: ``int`` or ``long long``. The argument structs are passed by value as size-1 NumPy
 structured arrays (:data:`ROWS_ARGS`, :data:`TILE_ARGS`: the headers' field order with C
@@ -53,8 +55,9 @@ def _name(targs: tuple) -> str:
     if targs[0] == "rows":
         _, word, index = targs
         return f"cukern::permute_rows<{WORD_TYPES[word]}, {_INDEX[index]}>"
-    _, elem, vi, vo, index = targs
-    return f"cukern::permute_tile<{WORD_TYPES[elem]}, {vi}, {vo}, {_INDEX[index]}>"
+    _, elem, vi, vo, index, regs = targs
+    tail = ", true" if regs else ""  # REGS defaults to false: the gather's names stay as they were
+    return f"cukern::permute_tile<{WORD_TYPES[elem]}, {vi}, {vo}, {_INDEX[index]}{tail}>"
 
 
 def name_expression(plan: pp.PermutePlan) -> str:

@@ -17,7 +17,9 @@ its strides on both sides, element size, pointer alignment and device to a print
    - ``tile``: the innermost output dim o has output stride 1 and another dim i input stride
      1: ``permute_tile``, a batched transpose of (i, o) through shared memory, wide words on
      both sides; a short dim whose tile rows join into one run of memory (C = 3, HW = 49) is
-     held whole and moved as that flat run (:func:`tile_shape`);
+     held whole and moved as that flat run (:func:`tile_shape`). 1- and 2-byte elements
+     stored in output rows read shared memory in 32-bit words and transpose them in registers
+     (``REGS``; the tuning's perm_byte_regs, :func:`byte_regs`);
    - ``general``: anything else: ``permute_rows`` over the innermost output dim, an element
      a word.
 
@@ -48,8 +50,8 @@ from .policy import Tuning, tuning_for
 __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "check_dtype",
            "normalize_axes",
            "c_strides", "output_dims", "simplify", "fold_inner", "merge", "vector_width",
-           "tile_shape", "index_bits", "fast_div", "plan_permute", "reachable_steps",
-           "rows_unroll", "TILE_UNROLL"]
+           "tile_shape", "byte_regs", "index_bits", "fast_div", "plan_permute",
+           "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES"]
 
 KINDS = ("copy", "tile", "general")
 TILE_UNROLL = 4  # kernels/permute.cuh: perm::kTileUnroll
@@ -57,6 +59,7 @@ MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
 # 32-bit kernels: offsets and counts stay below this (a tile or row tile may overhang its dim)
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
+REGS_SIZES = (1, 2)  # element sizes permute_tile's REGS phase 2 takes (perm::store_regs)
 
 
 def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
@@ -201,6 +204,17 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     return TileShape(ti, to, fin, fout, vi, vo, pitch, group)
 
 
+def byte_regs(shape: TileShape, elem: int, tuning: Tuning) -> bool:
+    """Whether the tile's phase 2 transposes 32-bit words of shared memory in registers
+    (``permute_tile<..., REGS = true>``): ``elem`` in the tuning's perm_byte_regs (1 or 2
+    bytes), output rows (a flat output run is gathered), tile rows in shared memory 4 (mod 8)
+    elements apart (rows; a flat input run of such a length, as HW = 196: 4-byte aligned
+    words, lanes on distinct banks; HW = 49 or C = 3 keep the gather) and words of at least 4
+    bytes both ways (narrower ones keep the gather: fewer instantiations)."""
+    return (elem in tuning.perm_byte_regs and not shape.flat_out and shape.pitch % 8 == 4
+            and shape.vec_in * elem >= 4 and shape.vec_out * elem >= 4)
+
+
 def index_bits(dims, *counts) -> int:
     """32 where every offset on either side (the sum of (size - 1) * |stride|) and every count
     is below INDEX_LIMIT, else 64."""
@@ -244,6 +258,7 @@ class PermutePlan:
     tile: tuple[int, int] = (0, 0)  # (ti, to)
     flat_in: bool = False
     flat_out: bool = False
+    regs: bool = False  # phase 2 transposes 32-bit shared-memory words in registers
     pitch: int = 0
     group: int = 0
     smem: int = 0
@@ -289,6 +304,13 @@ class PermutePlan:
             lines.append(f"  vectors            loads {self.vec_in} x {self.elem} B along "
                          f"{'the input run' if self.flat_in else 'i'}, stores {self.vec_out} x "
                          f"{self.elem} B along {'the output run' if self.flat_out else 'o'}")
+            if self.regs:
+                r = 4 // self.elem
+                p2 = (f"32-bit shared-memory words, {r} x {self.vec_out} blocks transposed in "
+                      f"registers (perm_byte_regs)")
+            else:
+                p2 = f"gathers one {self.elem}-byte element a shared-memory load"
+            lines.append(f"  phase 2            {p2}")
         else:
             w = self.walk
             what = ("copy: the inner dim is contiguous on both sides" if self.kind == "copy"
@@ -315,11 +337,13 @@ def _align(ptr_align: int) -> int:
 
 def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = None, *,
                  in_align: int = 16, out_align: int = 16, signature=None,
-                 label: str = "") -> PermutePlan:
+                 label: str = "", tuning: Tuning | None = None) -> PermutePlan:
     """The launch that moves ``simple`` (:func:`simplify`) of ``itemsize``-byte elements.
     ``in_align``, ``out_align``: the alignment (bytes; any value, capped at 16) of the input's
     and output's pointers. ``signature(plan)``: the kernel's name expression (the family's).
-    ValueError for an empty array (nothing launches) or more than MAX_DIMS dims."""
+    ``tuning``: the table to plan with (default ``tuning_for(device)``; tests and benchmarks
+    pass one with a rule changed). ValueError for an empty array (nothing launches), more than
+    MAX_DIMS dims, or a tuning the kernels cannot run."""
     if itemsize not in WORDS:
         raise ValueError(f"plan: {itemsize}-byte elements; the permute kernels move 1, 2, 4, "
                          f"8 or 16 bytes")
@@ -329,11 +353,14 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
         raise ValueError(f"plan: {len(simple.dims)} dims after simplifying; the kernels take "
                          f"at most {MAX_DIMS}")
     device = device or DeviceSpec.h100()
-    tuning = tuning_for(device)
+    tuning = tuning if tuning is not None else tuning_for(device)
     threads = tuning.perm_threads
     if threads > MAX_THREADS or threads % 32:
         raise ValueError(f"plan: perm_threads {threads}: the kernels take a multiple of 32 up "
                          f"to {MAX_THREADS}")
+    if not set(tuning.perm_byte_regs) <= set(REGS_SIZES):
+        raise ValueError(f"plan: perm_byte_regs {tuning.perm_byte_regs}: the register "
+                         f"transpose takes element sizes {REGS_SIZES}")
     ia, oa = _align(in_align), _align(out_align)
     dims, elem, in_base, out_base = fold_inner(simple.dims, itemsize, ia, oa,
                                                simple.in_offset, simple.out_offset)
@@ -425,22 +452,28 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
         raise ValueError(f"plan: {tiles} tiles; the tile kernel takes fewer than 2^31")
     grid = _grid(tiles, threads, smem, device, tuning)
     index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
-    targs = ("tile", elem, shape.vec_in, shape.vec_out, index)
+    regs = byte_regs(shape, elem, tuning)
+    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs)
     return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
                        i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
-                       flat_out=shape.flat_out, pitch=shape.pitch, group=shape.group,
-                       smem=smem)
+                       flat_out=shape.flat_out, regs=regs, pitch=shape.pitch,
+                       group=shape.group, smem=smem)
 
 
 def reachable_steps() -> list[tuple]:
     """Every kernel's template arguments the planner can produce (any shape, strides,
-    alignment or dtype): rows kernels of every word size, tile kernels of every element size
-    and pair of vector widths up to 16 bytes, each with 32- and 64-bit indices."""
+    alignment, dtype or perm_byte_regs): rows kernels of every word size, tile kernels of every
+    element size and pair of vector widths up to 16 bytes, and for 1- and 2-byte elements
+    those with words of 4 bytes or more both ways again with the register phase 2 (18), each
+    with 32- and 64-bit indices."""
     out: list[tuple] = []
     for index in (32, 64):
         out += [("rows", w, index) for w in WORDS]
         for e in WORDS:
             vs = [v for v in WORDS if v * e <= 16]
-            out += [("tile", e, vi, vo, index) for vi in vs for vo in vs]
+            out += [("tile", e, vi, vo, index, False) for vi in vs for vo in vs]
+            if e in REGS_SIZES:
+                ws = [v for v in vs if v * e >= 4]
+                out += [("tile", e, vi, vo, index, True) for vi in ws for vo in ws]
     return out

@@ -169,6 +169,11 @@ class Tuning:
     # waves of resident blocks a grid at most (both kernels loop over their tiles; up to
     # there a block takes one tile and the block scheduler balances them)
     perm_waves: int = 32
+    # element sizes (1, 2) whose tile phase 2 reads 32-bit shared-memory words and transposes
+    # them in registers (__byte_perm) where both tile sides are rows and words of 4 bytes or
+    # more move both ways; () gathers an element a shared-memory load everywhere (the old phase
+    # 2: int8 45-83% of copy below ~50 MB). Not yet measured: first choice, both on
+    perm_byte_regs: tuple[int, ...] = (1, 2)
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.

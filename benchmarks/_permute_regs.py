@@ -1,0 +1,78 @@
+"""bench_permute.py's A/B of the tile kernel's phase 2 (the tuning's perm_byte_regs): the
+register transpose of 1- and 2-byte elements against the gather of one element a
+shared-memory load, by a changed table for the whole run (``--byte-regs``) or both timed in
+the same rounds (``--ab-byte-regs``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+__all__ = ["force_byte_regs", "byte_regs_arg", "gather_fn", "ab_summary"]
+
+
+def force_byte_regs(sizes: tuple[int, ...]) -> None:
+    """Plan every permute of this process with the tuning's perm_byte_regs set to ``sizes``
+    (the planner's table lookup wrapped, as the tests change a rule)."""
+    from cukern.plan import permute as pp
+
+    real = pp.tuning_for
+    pp.tuning_for = lambda device: dataclasses.replace(real(device), perm_byte_regs=sizes)
+
+
+def byte_regs_arg(text: str) -> tuple[int, ...]:
+    """--byte-regs: "none" or element sizes among 1 and 2, comma-separated."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1,2 / 1 / 2 / none, got {text!r}") from None
+    if not sizes or not set(sizes) <= {1, 2}:
+        raise argparse.ArgumentTypeError(f"element sizes among 1 and 2 or none, got {text!r}")
+    return sizes
+
+
+def gather_fn(xs, outs, axes):
+    """``fn(i)``: cukern's launch from ``xs[i]`` into ``outs[i]`` (CuPy arrays of one layout
+    and alignment) planned with perm_byte_regs off (the gather), or None where cukern's own
+    plan does not transpose in registers (the same kernel)."""
+    from cukern import runner
+    from cukern.families import permute as fam
+    from cukern.ops import permute as ops
+    from cukern.plan import permute as pp
+
+    x, o = xs[0], outs[0]
+    if not ops.plan_for(x, axes, out=o).regs:
+        return None
+    item, dev = x.itemsize, x.data.device_id
+    _, dims = pp.output_dims(x.shape, [st // item for st in x.strides], axes,
+                             [st // item for st in o.strides])
+    simple = pp.simplify([d.size for d in dims], [d.in_stride for d in dims],
+                         [d.out_stride for d in dims])
+    spec = runner.device_spec(dev)
+    off = dataclasses.replace(pp.tuning_for(spec), perm_byte_regs=())
+    plan = pp.plan_permute(simple, item, spec, in_align=ops._align(x.data.ptr),
+                           out_align=ops._align(o.data.ptr), signature=fam.name_expression,
+                           tuning=off)
+    launch = ops._Launch(plan, dev)
+    return lambda i: launch(xs[i], outs[i])
+
+
+def ab_summary(by_case: dict) -> None:
+    """Per layout change and dtype, the register phase 2's % of copy against the gather's over
+    the shapes that ran both (``by_case``: (group, label, shape, dtype) -> peer -> row)."""
+    pairs: dict[tuple, list[tuple[float, float]]] = {}
+    for (group, _, _, dtype), by in by_case.items():
+        if "gather" in by and "cukern" in by and not by["cukern"].get("error"):
+            pairs.setdefault((group, dtype), []).append(
+                (by["cukern"]["pct_copy"], by["gather"]["pct_copy"]))
+    if not pairs:
+        return
+    print(f"\n{'registers vs gather':<22} {'n':>3} {'registers %':>12} {'gather %':>12} "
+          f"{'gain (points)':>14}")
+    for (group, dtype), v in pairs.items():
+        regs, gath = [a for a, _ in v], [b for _, b in v]
+        gain = [a - b for a, b in v]
+        print(f"{group + ' ' + dtype:<22} {len(v):>3} {min(regs):5.1f}-{max(regs):5.1f} "
+              f"{min(gath):5.1f}-{max(gath):5.1f} {min(gain):+6.1f}..{max(gain):+5.1f}")
