@@ -130,9 +130,17 @@ def _torch_dlpack():
     return _dlpack_module
 
 
+try:  # the capsule maker behind ndarray.toDlpack, without that method's deprecation warning
+    from cupy._core.dlpack import toDlpack as _capsule
+except ImportError:  # pragma: no cover - another CuPy layout: the method
+    _capsule = None
+
+
 def to_torch(result):
     """``result`` (CuPy) as a PyTorch tensor sharing its memory, without a stream handshake:
     only for results of an input taken by :func:`torch_view` (same stream on both sides)."""
+    if _capsule is not None:
+        return _torch_dlpack().from_dlpack(_capsule(result, False))  # an unversioned capsule
     return _torch_dlpack().from_dlpack(result.toDlpack())
 
 

@@ -111,13 +111,11 @@ class RawLaunch:
         nd = _ndarray
         values = [a.data.ptr if type(a) is nd else a if type(a) is int else _slot(a)
                   for a in args]
-        n = len(values)
         g0, g1, g2, b0, b1, b2, smem = self.config
         with self._lock:  # the slots are shared: one launch writes and reads them at a time
-            if n != self._nargs:
-                self._build(n)
-            if n:
-                self._slots[0:n] = values
+            if len(values) != self._nargs:
+                self._build(len(values))
+            self._slots[:self._nargs] = values
             try:
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)

@@ -351,10 +351,11 @@ def _c_scalars(values: tuple) -> tuple:
     return tuple(bits(v) for v in values)
 
 
-class Launch:
-    """A planned, compiled kernel with its fixed arguments: the cached result of planning."""
+class Launch(RawLaunch):
+    """A planned, compiled kernel with its fixed arguments: the cached result of planning.
+    Call it with the leading arguments (:class:`cukern._launch.RawLaunch`)."""
 
-    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem", "raw")
+    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem")
 
     def __init__(self, plan: _plan.Plan, device_id: int, tail: tuple):
         """Compiles and configures the kernel: call it with ``device_id`` current."""
@@ -364,25 +365,19 @@ class Launch:
         self.grid = (plan.grid,)
         self.block = plan.block
         self.smem = plan.smem_bytes
-        self.raw = RawLaunch(self.kernel.kernel.ptr, self.grid, self.block, self.smem, tail)
-
-    def __call__(self, *arrays) -> None:
-        self.raw(*arrays)
+        super().__init__(self.kernel.kernel.ptr, self.grid, self.block, self.smem, tail)
 
 
-class AuxLaunch:
+class AuxLaunch(RawLaunch):
     """An auxiliary kernel of a plan (the backward's partial sums and their reduction), as the
     planner shaped it (``cukern.plan.col_sums.AuxLaunch``), with its fixed arguments. Build it
     with ``device_id`` current."""
 
-    __slots__ = ("raw",)
+    __slots__ = ()
 
     def __init__(self, source: str, name: str, shape, device_id: int, tail: tuple):
         kern = _compile.get_kernel(source, name, device_id)
-        self.raw = RawLaunch(kern.kernel.ptr, shape.grid, shape.block, 0, tail)
-
-    def __call__(self, *arrays) -> None:
-        self.raw(*arrays)
+        super().__init__(kern.kernel.ptr, shape.grid, shape.block, 0, tail)
 
 
 def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers, row_strides,

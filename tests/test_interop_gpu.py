@@ -392,3 +392,18 @@ def test_tensors_requiring_grad_are_refused_beside_the_fast_path(name, rng):
         call(cukern, tensors)
     for k in inplace:
         np.testing.assert_array_equal(tensors[k].detach().cpu().numpy(), host[k])
+
+
+def test_tensor_results_raise_no_deprecation_warning(rng):
+    """The fast path hands results to PyTorch without CuPy's deprecated toDlpack method, whose
+    warning users would see pointing into cukern."""
+    import warnings
+
+    torch = _torch()
+    t = torch.as_tensor(rng.standard_normal((4, 40)), dtype=torch.float32, device="cuda")
+    cukern.softmax(t)  # plans; the second call takes the fast path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = cukern.softmax(t)
+    assert [str(w.message) for w in caught] == []
+    torch.testing.assert_close(y, torch.softmax(t, -1), rtol=1e-5, atol=1e-6)

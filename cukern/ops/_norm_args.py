@@ -128,15 +128,6 @@ def check_out_overlap(op: str, o, x, r, w, b) -> None:
 # ---------------------------------------------------------------------------------------------
 # The fast paths' keys.
 
-def _sig(a):
-    """What a fast-path key needs of an optional CuPy array argument (None: not one)."""
-    if a is None:
-        return ()
-    if type(a) is not c.cp.ndarray:
-        return None
-    return (a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr & 15)
-
-
 def typed(v):
     """A value with its type (and its items' types), so that True and 1, or 1 and 1.0, never
     share a fast-path key: the validation they would skip tells them apart."""
@@ -147,14 +138,24 @@ def typed(v):
 
 def fresh_key(op: str, args, extra: tuple):
     """The fast-path key of a call (None when an argument rules the fast path out): ``args``
-    are the CuPy arrays (or None) the kernels would read, a PyTorch tensor's CuPy view for it."""
-    sigs = []
+    are the CuPy arrays (or None) the kernels would read, a PyTorch tensor's CuPy view for it.
+    Flat: each array's shape, strides, dtype and device, and the OR of their pointers' low
+    bits (the alignment the plan was made for); None arguments add an empty tuple."""
+    nd = c.cp.ndarray
+    key = [op]
+    bits = 0
     for a in args:
-        sig = _sig(a)
-        if sig is None:
+        if type(a) is nd:
+            data = a.data
+            key += (a.shape, a.strides, a.dtype, data.device_id)
+            bits |= data.ptr
+        elif a is None:
+            key.append(())
+        else:
             return None
-        sigs.append(sig)
-    key = (op, *sigs, *extra)
+    key.append(bits & 15)
+    key += extra
+    key = tuple(key)
     try:
         hash(key)
     except TypeError:  # an unhashable argument (a list for normalized_shape, say)

@@ -20,19 +20,16 @@ _SOURCE = "batch_norm"
 _last: dict[str, bnplan.BatchNormPlan] = {}  # op -> the plan of its latest call
 
 
-class _Kernel:
+class _Kernel(RawLaunch):
     """One planned step, compiled, with its grid, block and dynamic shared memory."""
 
-    __slots__ = ("kind", "pack", "raw")
+    __slots__ = ("kind", "pack")
 
     def __init__(self, step: bnplan.Step, device_id: int):
         self.kind = step.kind
         self.pack = step.targs[1] if len(step.targs) > 1 else 1  # elements a thread's access
         kern = _compile.get_kernel(_SOURCE, step.kernel, device_id)
-        self.raw = RawLaunch(kern.kernel.ptr, step.grid, step.block, step.smem)
-
-    def __call__(self, *args) -> None:
-        self.raw(*args)
+        super().__init__(kern.kernel.ptr, step.grid, step.block, step.smem)
 
 
 class _Launches:
@@ -82,7 +79,8 @@ class _Forward:
         if self.coef:
             coef = c.cp.empty((self.nch, 4), cdt)
             finish = (self.count, self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
-                      cdt(momentum), cdt(eps), _arg(mean), _arg(invstd), _NULL, coef)
+                      _scalar(cdt, momentum), _scalar(cdt, eps), _arg(mean), _arg(invstd),
+                      _NULL, coef)
             part = None
             if self.stats is not None:
                 if self.part_shape is not None:
@@ -92,7 +90,7 @@ class _Forward:
                 self.finalize(_arg(part), *self.fin_head, *finish)
             c.keep(coef, part)  # a captured graph writes them on every replay
         self.apply(x, _arg(z), _arg(coef), y, _arg(mask), *self.apply_tail, _arg(rm), _arg(rv),
-                   _arg(w), _arg(b), cdt(eps))
+                   _arg(w), _arg(b), _scalar(cdt, eps))
 
     def fresh(self, x, rm, rv, w, b, z, momentum, eps, return_stats: bool):
         """The fast path: new outputs for a validated layout, then the launches."""
@@ -141,6 +139,21 @@ def _flat_args(plan):
 
 def _arg(a):
     return _NULL if a is None else a
+
+
+_scalars: dict[tuple, int] = {}  # (compute dtype, value) -> the kernel argument's slot bits
+
+
+def _scalar(cdt, v) -> int:
+    """``cdt(v)`` as a launch slot value, converted once per value (momentum and eps repeat
+    from call to call)."""
+    key = (cdt, v)
+    r = _scalars.get(key)
+    if r is None:
+        if len(_scalars) >= 256:
+            _scalars.clear()
+        r = _scalars[key] = c.bits(cdt(v))
+    return r
 
 
 def backward_launch(plan, steps, dy, x, m, mu, ist, w, dx, da, dwt, dbs, training: bool) -> None:

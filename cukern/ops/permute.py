@@ -241,11 +241,11 @@ def _plain(axes) -> bool:
     return axes is None or type(axes) is tuple and all(type(a) is int for a in axes)
 
 
-class _Launch:
+class _Launch(RawLaunch):
     """A planned, compiled permute kernel with its argument struct: the cached result of
-    planning one layout."""
+    planning one layout. Call it with (x, y)."""
 
-    __slots__ = ("plan", "device_id", "raw")
+    __slots__ = ("plan", "device_id")
 
     def __init__(self, plan: pp.PermutePlan, device_id: int):
         """Compiles and configures the kernel: call it with ``device_id`` current."""
@@ -254,11 +254,8 @@ class _Launch:
         kern = _compile.get_kernel(fam.SOURCE, plan.kernel, device_id)
         if plan.smem > _DEFAULT_SMEM and kern.max_dynamic_shared_size_bytes < plan.smem:
             kern.max_dynamic_shared_size_bytes = plan.smem
-        self.raw = RawLaunch(kern.kernel.ptr, (plan.grid,), (plan.block[0], plan.block[1]),
-                             plan.smem, (ByValue(fam.kernel_args(plan)),))
-
-    def __call__(self, x, y) -> None:
-        self.raw(x, y)
+        super().__init__(kern.kernel.ptr, (plan.grid,), (plan.block[0], plan.block[1]),
+                         plan.smem, (ByValue(fam.kernel_args(plan)),))
 
 
 def _align(ptr: int) -> int:
