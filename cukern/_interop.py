@@ -130,18 +130,28 @@ def _torch_dlpack():
     return _dlpack_module
 
 
-try:  # the capsule maker behind ndarray.toDlpack, without that method's deprecation warning
-    from cupy._core.dlpack import toDlpack as _capsule
-except ImportError:  # pragma: no cover - another CuPy layout: the method
-    _capsule = None
+_no_sync_capsule = True  # CuPy's __dlpack__ takes stream=-1 (no synchronisation)
 
 
 def to_torch(result):
     """``result`` (CuPy) as a PyTorch tensor sharing its memory, without a stream handshake:
-    only for results of an input taken by :func:`torch_view` (same stream on both sides)."""
-    if _capsule is not None:
-        return _torch_dlpack().from_dlpack(_capsule(result, False))  # an unversioned capsule
-    return _torch_dlpack().from_dlpack(result.toDlpack())
+    only for results of an input taken by :func:`torch_view` (same stream on both sides).
+    The capsule comes from ``__dlpack__(stream=-1)`` (the DLPack protocol's "no
+    synchronisation"), not from CuPy's deprecated ``toDlpack``, whose warning would point here."""
+    global _no_sync_capsule
+    if _no_sync_capsule:
+        try:
+            capsule = result.__dlpack__(stream=-1)
+        except (TypeError, ValueError, BufferError):  # a CuPy without it: the old method
+            _no_sync_capsule = False
+        else:
+            return _torch_dlpack().from_dlpack(capsule)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its VisibleDeprecationWarning (a UserWarning)
+        capsule = result.toDlpack()
+    return _torch_dlpack().from_dlpack(capsule)
 
 
 def _require_cupy(fn: str) -> None:
