@@ -132,8 +132,18 @@ class Plan:
 Occupancy = Callable[[Plan], int]
 
 
-def replace(plan: Plan, **changes) -> Plan:
-    return dataclasses.replace(plan, **changes)
+def replace(plan, **changes):
+    """``dataclasses.replace`` for the planner's frozen dataclasses (Plan, Switches: no
+    ``__post_init__``, no init-only fields), without its per-call field introspection, which
+    was most of a plan's cost."""
+    new = object.__new__(type(plan))
+    fields = new.__dict__
+    fields.update(plan.__dict__)
+    for name in changes:
+        if name not in fields:
+            raise TypeError(f"replace: {type(plan).__name__} has no field {name!r}")
+    fields.update(changes)
+    return new
 
 
 def model_occupancy(device: DeviceSpec) -> Occupancy:

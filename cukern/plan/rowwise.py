@@ -11,7 +11,6 @@ backward that also sums over rows goes to ``col_sums.plan_col_sums``.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from .._device import DeviceSpec
@@ -80,7 +79,7 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
                          f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
     sw = Switches() if switches is None else switches
     if not isinstance(sw, Switches) or \
-            dataclasses.replace(sw, float32_params=False) not in pol.switch_sets:
+            replace(sw, float32_params=False) not in pol.switch_sets:
         raise ValueError(f"plan: {pol.op} takes switches from {[str(s) for s in pol.switch_sets]}"
                          f", got {sw}")
     if sw.float32_params:
@@ -305,7 +304,7 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
                 add(Variant.BLOCK_SMEM, threads, overlap=o)
         add(Variant.BLOCK_UNCACHED, tune.uncached_block)
         if pol.float32_params and item == 2 and not strided and (sw.weight or sw.bias):
-            base["switches"] = dataclasses.replace(sw, float32_params=True)
+            base["switches"] = replace(sw, float32_params=True)
             add(Variant.BLOCK_UNCACHED, tune.uncached_block)
             base["switches"] = sw
         if sums:
