@@ -19,10 +19,10 @@ import errno
 import glob
 import math
 import os
+import secrets
 import shutil
 import stat
 import sys
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -369,11 +369,18 @@ class Outputs:
             self.discard()
 
     def _temp(self, target: Path) -> Path:
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part",
-                                    dir=target.parent)
-        os.close(fd)
-        tmp = Path(name)
-        self._temps.append(tmp)
+        # The name is registered before the file exists: a signal arriving between the two
+        # (its handler raises here) leaves discard() a name to remove, never an unknown file.
+        while True:
+            tmp = target.parent / f".{target.name}.{secrets.token_hex(8)}.part"
+            self._temps.append(tmp)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:  # another run's file: not ours to remove
+                self._temps.remove(tmp)
+                continue
+            os.close(fd)
+            break
         try:  # --overwrite keeps the replaced file's permissions
             mode = stat.S_IMODE(target.stat().st_mode)
         except OSError:
