@@ -8,6 +8,7 @@ fast path's key, and parsing the op's other arguments.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 __all__ = ["Prepared", "prepare"]
@@ -232,7 +233,7 @@ def _bind_norm(name, fn, args, kwargs):
     res = fn(**bound)  # validates, plans, compiles
     stats = other.get("return_stats", False)
     y0 = res[0] if type(res) is tuple else res
-    eps = other.get("eps", 1e-5 if layer else 1e-6)
+    eps = other.get("eps", inspect.signature(fn).parameters["eps"].default)
     x, w, b = bound["x"], bound.get("weight"), bound.get("bias")
     key = ln._fresh_key(name, (x, w, b), (ln._typed(other["normalized_shape"]),
                                           ln._typed(eps), ln._typed(stats)))

@@ -355,17 +355,14 @@ class Launch(RawLaunch):
     """A planned, compiled kernel with its fixed arguments: the cached result of planning.
     Call it with the leading arguments (:class:`cukern._launch.RawLaunch`)."""
 
-    __slots__ = ("plan", "device_id", "kernel", "grid", "block", "smem")
+    __slots__ = ("plan", "device_id")
 
     def __init__(self, plan: _plan.Plan, device_id: int, tail: tuple):
         """Compiles and configures the kernel: call it with ``device_id`` current."""
         self.plan = plan
         self.device_id = device_id
-        self.kernel = kernel(plan, device_id)
-        self.grid = (plan.grid,)
-        self.block = plan.block
-        self.smem = plan.smem_bytes
-        super().__init__(self.kernel.kernel.ptr, self.grid, self.block, self.smem, tail)
+        super().__init__(kernel(plan, device_id).kernel.ptr, (plan.grid,), plan.block,
+                         plan.smem_bytes, tail)
 
 
 class AuxLaunch(RawLaunch):

@@ -101,14 +101,7 @@ def _same_strides(a, b) -> bool:
 
 
 def _same_layout(fn: str, name: str, z, xa) -> None:
-    if tuple(z.shape) != tuple(xa.shape):
-        raise ValueError(f"{fn}: {name} has shape {tuple(z.shape)}, expected {tuple(xa.shape)} "
-                         f"(x's shape; broadcasting is not supported)")
-    if z.dtype != xa.dtype:
-        raise TypeError(f"{fn}: {name} has dtype {z.dtype}, expected {xa.dtype} (x's dtype)")
-    if z.data.device_id != xa.data.device_id:
-        raise ValueError(f"{fn}: {name} is on GPU {z.data.device_id} but x is on GPU "
-                         f"{xa.data.device_id}")
+    c.check_same(fn, "x", xa, name, z)  # shape (no broadcasting), dtype, device
     if not _same_strides(z, xa):
         raise ValueError(f"{fn}: {name} has strides {z.strides}, expected x's {xa.strides} "
                          f"(the same memory layout; broadcasting is not supported)")
