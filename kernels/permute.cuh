@@ -298,7 +298,8 @@ template <typename T, int VO, int FO, typename IDX>
 __device__ __forceinline__ void store_flat(const T* s, T* __restrict__ yb, const PermuteTileArgs& a,
                                            int ti_e, IDX y0) {
   constexpr int E = sizeof(T);
-  constexpr int UN = kTileUnroll / 2;  // 2 words a thread in flight (6 loads): no spills
+  // words a thread in flight: 4 of int8 (12 loads), 2 of wider elements (ptxas spilled 4)
+  constexpr int UN = E == 1 ? kTileUnroll : kTileUnroll / 2;
   static_assert(VO * E == 16 && FO >= 2, "FO: 16-byte words, blocks of 2 or more");
   typedef Vec<T, VO, 16> Row;
   const int NT = blockDim.x;

@@ -32,7 +32,8 @@ OFF = dataclasses.replace(HOPPER, perm_flat_regs=())
 
 @pytest.mark.parametrize("shape,axes,item", [
     ((64, 3, 224, 224), NHWC, 1), ((64, 3, 224, 224), NHWC, 2), ((64, 3, 224, 224), NHWC, 4),
-    ((256, 3, 224, 224), NHWC, 2), ((1, 3, 9, 16), NHWC, 1), ((2, 3, 4, 32, 32), (0, 2, 3, 4, 1), 2),
+    ((256, 3, 224, 224), NHWC, 2), ((1, 3, 9, 16), NHWC, 1),
+    ((2, 3, 4, 32, 32), (0, 2, 3, 4, 1), 2),
     ((3, 4096), (1, 0), 1), ((3, 8192), (1, 0), 2), ((3, 8192), (1, 0), 4),
 ])
 def test_flat_interleave_is_planned(shape, axes, item):
@@ -207,7 +208,8 @@ def test_flat_model_writes_the_transpose(name, case, p):
     assert p.kind == "tile" and p.flat_regs == 3 and p.flat_out, (name, str(p))
     assert p.out_base == out_base and p.i_dim.out_stride == 3
     ti = p.tile[0]
-    assert p.flat_in == (o_in == si and si * item < 32) and p.pitch == (si if p.flat_in else ti), str(p)
+    assert p.flat_in == (o_in == si and si * item < 32), str(p)
+    assert p.pitch == (si if p.flat_in else ti), str(p)
     nti = 1 if p.flat_in else -(-si // ti)
     rng = np.random.default_rng(len(name) + si)
     x = rng.integers(0, 256, (3, si, item), dtype=np.uint8)
@@ -228,7 +230,7 @@ def test_flat_model_writes_the_transpose(name, case, p):
 
 def test_flat_model_covers_the_edges():
     seen = set()
-    for _, (item, b, si, o_in, out_base), p in PLANS:
+    for _, (item, _b, si, _o_in, out_base), p in PLANS:
         seen.add((item, p.flat_in))
         ti = p.tile[0]
         last = si - (si - 1) // ti * ti
@@ -250,9 +252,9 @@ def test_flat_model_covers_the_edges():
 def test_banks(shape, item):
     """Phase 2: each of a warp's 16-byte row-chunk loads reads consecutive chunks (three lanes
     a chunk, the same address: a broadcast), no more wavefronts than any 16-byte warp load,
-    where the gather makes one load an element. Phase 1: a warp's whole-word stores are contiguous (unpadded rows): no
-    bank conflicts. The gather's padded layout keeps phase 1's int8 and float16 words split
-    into 4- and 8-byte stores."""
+    where the gather makes one load an element. Phase 1: a warp's whole-word stores are
+    contiguous (unpadded rows): no bank conflicts (the gather's padded rows split int8 and
+    float16 words into 4- and 8-byte stores)."""
     p = plan(shape, NHWC, item)
     assert p.flat_regs == 3 and not p.flat_in
     e, vo, vi, ti = p.elem, p.vec_out, p.vec_in, p.tile[0]
