@@ -473,7 +473,8 @@ def test_every_reachable_instantiation_compiles(arch):
     names = registry.kernel_names(["permute"], ["int8"], device)["permute"]
     missing = [n for n in names if not lowered.get(n)]
     assert not missing, missing[:3]
-    assert len(names) == 156 and sum(n.endswith(", true>") for n in names) == 36
+    assert len(names) == 174 and sum(n.endswith(", true>") for n in names) == 36
+    assert sum(n.endswith(", false, 3>") for n in names) == 18
 
 
 def test_source_is_self_contained_and_matches_the_planner():
