@@ -298,7 +298,7 @@ template <typename T, int VO, int FO, typename IDX>
 __device__ __forceinline__ void store_flat(const T* s, T* __restrict__ yb, const PermuteTileArgs& a,
                                            int ti_e, IDX y0) {
   constexpr int E = sizeof(T);
-  // words a thread in flight: 4 of int8 (12 loads), 2 of wider elements (ptxas spilled 4)
+  // words a thread in flight: 4 of int8 (12 loads); 2 of wider elements, which spilled with 4
   constexpr int UN = E == 1 ? kTileUnroll : kTileUnroll / 2;
   static_assert(VO * E == 16 && FO >= 2, "FO: 16-byte words, blocks of 2 or more");
   typedef Vec<T, VO, 16> Row;
@@ -318,7 +318,8 @@ __device__ __forceinline__ void store_flat(const T* s, T* __restrict__ yb, const
         const T* src = s + u * VO;
         Row r[FO], o[FO];
 #pragma unroll
-        for (int ol = 0; ol < FO; ++ol) r[ol].w = *reinterpret_cast<const uint4*>(src + ol * a.pitch);
+        for (int ol = 0; ol < FO; ++ol)
+          r[ol].w = *reinterpret_cast<const uint4*>(src + ol * a.pitch);
 #pragma unroll
         for (int p = 0; p < FO * VO; ++p) o[p / VO].e[p % VO] = r[p % FO].e[p / FO];
         v[k] = o[0];
