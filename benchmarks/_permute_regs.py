@@ -1,49 +1,73 @@
-"""bench_permute.py's A/B of the tile kernel's phase 2 (the tuning's perm_byte_regs): the
-register transpose of 1- and 2-byte elements against the gather of one element a
-shared-memory load, by a changed table for the whole run (``--byte-regs``) or both timed in
-the same rounds (``--ab-byte-regs``)."""
+"""bench_permute.py's A/B of the tile kernel's phase 2 switches against the gather of one
+element a shared-memory load: perm_byte_regs (the register transpose of 1- and 2-byte
+elements, output rows) and perm_flat_regs (the interleave of flat output runs of 3-element
+blocks), each by a changed table for the whole run (``--byte-regs``, ``--flat-regs``) or timed
+against the gather in the same rounds (``--ab-byte-regs``, ``--ab-flat-regs``)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-__all__ = ["force_byte_regs", "byte_regs_arg", "gather_fn", "ab_summary"]
+__all__ = ["SWITCHES", "force_regs", "force_byte_regs", "sizes_arg", "byte_regs_arg",
+           "flat_regs_arg", "gather_fn", "ab_summary"]
+
+# switch -> (Tuning field, PermutePlan attribute set where the plan takes it, sizes it takes)
+SWITCHES = {"byte": ("perm_byte_regs", "regs", (1, 2)),
+            "flat": ("perm_flat_regs", "flat_regs", (1, 2, 4))}
 
 
-def force_byte_regs(sizes: tuple[int, ...]) -> None:
-    """Plan every permute of this process with the tuning's perm_byte_regs set to ``sizes``
-    (the planner's table lookup wrapped, as the tests change a rule)."""
+def force_regs(changes: dict) -> None:
+    """Plan every permute of this process with the tuning's fields in ``changes`` (field ->
+    element sizes) replaced (the planner's table lookup wrapped, as the tests change a rule)."""
     from cukern.plan import permute as pp
 
     real = pp.tuning_for
-    pp.tuning_for = lambda device: dataclasses.replace(real(device), perm_byte_regs=sizes)
+    pp.tuning_for = lambda device: dataclasses.replace(real(device), **changes)
 
 
-def byte_regs_arg(text: str) -> tuple[int, ...]:
-    """--byte-regs: "none" or element sizes among 1 and 2, comma-separated."""
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        sizes = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 1,2 / 1 / 2 / none, got {text!r}") from None
-    if not sizes or not set(sizes) <= {1, 2}:
-        raise argparse.ArgumentTypeError(f"element sizes among 1 and 2 or none, got {text!r}")
-    return sizes
+def force_byte_regs(sizes: tuple[int, ...]) -> None:
+    """:func:`force_regs` of perm_byte_regs alone."""
+    force_regs({"perm_byte_regs": sizes})
 
 
-def gather_fn(xs, outs, axes):
+def sizes_arg(switch: str):
+    """The argparse type of ``--<switch>-regs``: "none" or element sizes the switch takes,
+    comma-separated."""
+    allowed = SWITCHES[switch][2]
+    choices = ",".join(map(str, allowed))
+
+    def parse(text: str) -> tuple[int, ...]:
+        if text.strip().lower() == "none":
+            return ()
+        try:
+            sizes = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected element sizes among {choices} or none, got {text!r}") from None
+        if not sizes or not set(sizes) <= set(allowed):
+            raise argparse.ArgumentTypeError(
+                f"element sizes among {choices} or none, got {text!r}")
+        return sizes
+
+    return parse
+
+
+byte_regs_arg = sizes_arg("byte")  # --byte-regs: "none" or sizes among 1 and 2
+flat_regs_arg = sizes_arg("flat")  # --flat-regs: "none" or sizes among 1, 2 and 4
+
+
+def gather_fn(xs, outs, axes, switches=("byte",)):
     """``fn(i)``: cukern's launch from ``xs[i]`` into ``outs[i]`` (CuPy arrays of one layout
-    and alignment) planned with perm_byte_regs off (the gather), or None where cukern's own
-    plan does not transpose in registers (the same kernel)."""
+    and alignment) planned with the ``switches`` (keys of SWITCHES) off (the gather), or None
+    where cukern's own plan takes none of them (the same kernel)."""
     from cukern import runner
     from cukern.families import permute as fam
     from cukern.ops import permute as ops
     from cukern.plan import permute as pp
 
     x, o = xs[0], outs[0]
-    if not ops.plan_for(x, axes, out=o).regs:
+    if not any(getattr(ops.plan_for(x, axes, out=o), SWITCHES[s][1]) for s in switches):
         return None
     item, dev = x.itemsize, x.data.device_id
     _, dims = pp.output_dims(x.shape, [st // item for st in x.strides], axes,
@@ -51,7 +75,7 @@ def gather_fn(xs, outs, axes):
     simple = pp.simplify([d.size for d in dims], [d.in_stride for d in dims],
                          [d.out_stride for d in dims])
     spec = runner.device_spec(dev)
-    off = dataclasses.replace(pp.tuning_for(spec), perm_byte_regs=())
+    off = dataclasses.replace(pp.tuning_for(spec), **{SWITCHES[s][0]: () for s in switches})
     plan = pp.plan_permute(simple, item, spec, in_align=ops._align(x.data.ptr),
                            out_align=ops._align(o.data.ptr), signature=fam.name_expression,
                            tuning=off)

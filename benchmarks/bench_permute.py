@@ -18,14 +18,18 @@ on the last). Arrays up to 64 MiB are timed in three interleaved rounds, each ke
 Host overhead: time per call on a 4x32 float32 array, best of 5 x 1000 calls.
 
     python benchmarks/bench_permute.py [--quick] [--groups ...] [--dtypes ...] [--out DIR]
-        [--byte-regs 1,2|1|2|none] [--ab-byte-regs] [--tag TAG]
+        [--byte-regs 1,2|1|2|none] [--ab-byte-regs] [--flat-regs 1,2,4|...|none]
+        [--ab-flat-regs] [--tag TAG]
 
 ``--byte-regs`` plans with the tuning's perm_byte_regs set to those element sizes (the tile
 kernel's phase 2 transposing 32-bit shared-memory words in registers; ``none``: the gather of
 one element a load everywhere), for an A/B of the switch; give such a run its own ``--tag``.
 ``--ab-byte-regs`` times both in one run instead: wherever cukern's plan transposes in
 registers, the same plan with the gather (peer ``gather``, interleaved in the same rounds;
-its % of copy on each line, its time in the history row's note).
+its % of copy on each line, its time in the history row's note). ``--flat-regs`` and
+``--ab-flat-regs`` do the same for perm_flat_regs (a flat output run of 3-element blocks, C = 3,
+interleaved from 16-byte shared-memory row chunks); both A/B flags together time one gather
+peer wherever either path runs.
 
 Writes permute_<gpu>.json and .png, appends a row per shape to history.csv (every run; the
 CuPy peer's time is in the row's note), prints a table and the issue's targets met or missed.
@@ -168,9 +172,10 @@ def _free_peers() -> None:
         pass
 
 
-def measure(group, label, shape, axes, name, reps, peers, ab: bool = False) -> list[dict]:
-    """One shape and dtype: the copy, cukern and each peer (``ab``: and cukern's gather
-    phase 2, where its plan transposes in registers), rows as _bench.sweep's."""
+def measure(group, label, shape, axes, name, reps, peers, ab=()) -> list[dict]:
+    """One shape and dtype: the copy, cukern and each peer (``ab``: switches of
+    _permute_regs.SWITCHES; and cukern's gather phase 2 where its plan takes one), rows as
+    _bench.sweep's."""
     dtype = np_dtype(name)
     nbytes = math.prod(shape) * dtype.itemsize
     n_sets = max(1, min(MAX_SETS, -(-ROTATE_BYTES // (2 * nbytes))))
@@ -184,7 +189,7 @@ def measure(group, label, shape, axes, name, reps, peers, ab: bool = False) -> l
     s = Sets(shape, axes, dtype, n_sets)
     reps = reps if nbytes < LARGE_BYTES else max(3, reps // 3)
     timers: dict[str, tuple] = {"copy": (_copy_fn(s), None), "cukern": (_cukern_fn(s), None)}
-    gather = regs.gather_fn(s.xs, s.outs, s.axes) if ab else None
+    gather = regs.gather_fn(s.xs, s.outs, s.axes, ab) if ab else None
     if gather is not None:
         timers["gather"] = (gather, None)
     errors: dict[str, str] = {}
@@ -242,10 +247,11 @@ def _plan(shape, dtype: str, axes) -> tuple[str, str]:
     variant = str(getattr(plan, "kind", "") or "")  # copy | tile | general
     if variant == "tile" and getattr(plan, "tile", None):
         variant += " {}x{}".format(*plan.tile) + (" regs" if getattr(plan, "regs", False) else "")
+        variant += " flat" if getattr(plan, "flat_regs", 0) else ""
     return variant, " ".join(str(plan).split())[:400]
 
 
-def sweep(cases, dtypes, reps: int, peers, ab: bool = False) -> list[dict]:
+def sweep(cases, dtypes, reps: int, peers, ab=()) -> list[dict]:
     results = []
     _bench.warm_up(2.0)
     for (group, label, shape, axes), name in itertools.product(cases, dtypes):
@@ -446,6 +452,10 @@ def main() -> None:
     ap.add_argument("--ab-byte-regs", action="store_true",
                     help="also time the gather phase 2 wherever cukern's plan transposes in "
                          "registers, interleaved in the same rounds (peer 'gather')")
+    ap.add_argument("--flat-regs", type=regs.flat_regs_arg, default=None, metavar="SIZES",
+                    help="the tuning's perm_flat_regs for this run (1,2,4 / ... / none)")
+    ap.add_argument("--ab-flat-regs", action="store_true",
+                    help="as --ab-byte-regs, where the plan interleaves a flat output run")
     args = ap.parse_args()
     groups = [g for g in args.groups.split(",") if g]
     unknown = set(groups) - set(GROUPS)
@@ -457,11 +467,13 @@ def main() -> None:
     if set(peers) - set(PEERS):
         ap.error(f"--peers: expected some of {', '.join(PEERS)} or none")
     reps = args.reps or (10 if args.quick else 30)
-    forced = ""
-    if args.byte_regs is not None:
-        regs.force_byte_regs(args.byte_regs)
-        forced = f"perm_byte_regs {args.byte_regs}"
+    changes = {f: v for f, v in (("perm_byte_regs", args.byte_regs),
+                                 ("perm_flat_regs", args.flat_regs)) if v is not None}
+    forced = ", ".join(f"{f} {v}" for f, v in changes.items())
+    if changes:
+        regs.force_regs(changes)
         print(f"planning with {forced}", flush=True)
+    ab = tuple(k for k, on in (("byte", args.ab_byte_regs), ("flat", args.ab_flat_regs)) if on)
     spec = DeviceSpec.from_device()
     run = _results.Run(args.out, "permute", spec.name, tag=args.tag, quick=args.quick)
     try:
@@ -469,7 +481,7 @@ def main() -> None:
     except Exception as err:  # the first calls compile instead (in the warm-up calls)
         print(f"warm_kernels: {type(err).__name__}: {err}", flush=True)
     cases = [c for c in shapes(args.quick) if c[0] in groups]
-    results = sweep(cases, dtypes, reps, peers, args.ab_byte_regs)
+    results = sweep(cases, dtypes, reps, peers, ab)
     overhead = host_overhead_us()
     payload = run.merge_previous(dict(cupy=cp.__version__, results=results,
                                       host_overhead_us=overhead,

@@ -10,7 +10,7 @@
 //                                 contiguous on both sides (W: a vector of elements, 16 bytes
 //                                 where alignment allows, with a byte tail for one-row copies);
 //                                 the general strided kernel otherwise (W: one element).
-//   permute_tile<T, VI, VO, IDX, REGS>
+//   permute_tile<T, VI, VO, IDX, REGS, FO>
 //                                 a batched 2-D transpose through shared memory: dim i (input
 //                                 stride 1) by dim o (output stride 1) in tiles of ti x to,
 //                                 loaded VI elements a word along i, stored VO a word along o;
@@ -19,7 +19,9 @@
 //                                 HW = 49) is moved as that flat run, in full words. REGS (1-
 //                                 and 2-byte elements, output rows, tile rows 4 (mod 8)
 //                                 elements apart): phase 2 reads 32-bit words of shared memory
-//                                 and transposes them in registers.
+//                                 and transposes them in registers. FO (a flat output run
+//                                 of blocks of FO = 3 elements, 16-byte stores): phase 2
+//                                 reads 16-byte row chunks and interleaves them in registers.
 //
 // IDX is int where every offset and count fits in 31 bits, long long past that. Divisions by
 // run-time sizes use FastDiv (quotients of n < 2^31); 64-bit kernels divide natively only where
@@ -170,7 +172,8 @@ __global__ void __launch_bounds__(perm::kThreads)
 // stores them to shared memory; phase 2 gathers VO elements along o for one i into a word and
 // stores it along the output row (or the flat output run). Phase 2 lanes take 2^group adjacent
 // o-words of one row (32 bytes: whole sectors), then the next rows. REGS: phase 2 reads whole
-// 32-bit words of shared memory instead (perm::store_regs).
+// 32-bit words of shared memory instead (perm::store_regs); FO, 16-byte row chunks of a flat
+// output run of FO-element blocks (perm::store_flat).
 struct PermuteTileArgs {
   perm::Batch batch;            // every dim but i and o
   long long in_base, out_base;  // element offsets of the first element visited
@@ -282,13 +285,73 @@ __device__ __forceinline__ void store_regs(const T* s, T* __restrict__ yb, const
   }
 }
 
+// Phase 2 of permute_tile<..., FO> (a flat output run of FO-element blocks, FO = so = 3: the
+// C = 3 side of NCHW -> NHWC; words of VO * E = 16 bytes; shared-memory rows 16-byte aligned:
+// a pitch of ti, or a flat input run of a multiple of VO): the run is ti_e blocks of FO
+// elements, and VO consecutive blocks (il0 = u * VO) make FO output words. The thread of word
+// w (u = w / FO, k = w - u * FO) reads the FO row chunks s[ol * pitch + il0 ..+ VO) as one
+// 16-byte word each (lanes 3 to a chunk: broadcast, no bank conflicts), interleaves them in
+// registers (element p of the FO words is row p % FO, element p / FO) and stores word k.
+// Elements past ti_e in a partial last chunk are read but never stored. y0: the output offset
+// of the tile's run.
+template <typename T, int VO, int FO, typename IDX>
+__device__ __forceinline__ void store_flat(const T* s, T* __restrict__ yb, const PermuteTileArgs& a,
+                                           int ti_e, IDX y0) {
+  constexpr int E = sizeof(T);
+  // words a thread in flight: 4 of int8 (12 loads); 2 of wider elements, which spilled with 4
+  constexpr int UN = E == 1 ? kTileUnroll : kTileUnroll / 2;
+  static_assert(VO * E == 16 && FO >= 2, "FO: 16-byte words, blocks of 2 or more");
+  typedef Vec<T, VO, 16> Row;
+  const int NT = blockDim.x;
+  const int n_out = ti_e * FO;
+  const int words = (n_out + VO - 1) / VO;
+  for (int w0 = threadIdx.x; w0 < words; w0 += UN * NT) {
+    Row v[UN];
+    int nv[UN];
+#pragma unroll
+    for (int k = 0; k < UN; ++k) {
+      const int w = w0 + k * NT;
+      nv[k] = 0;
+      if (w < words) {
+        const int u = w / FO;  // FO: a compile-time constant
+        const int kk = w - u * FO;
+        const T* src = s + u * VO;
+        Row r[FO], o[FO];
+#pragma unroll
+        for (int ol = 0; ol < FO; ++ol)
+          r[ol].w = *reinterpret_cast<const uint4*>(src + ol * a.pitch);
+#pragma unroll
+        for (int p = 0; p < FO * VO; ++p) o[p / VO].e[p % VO] = r[p % FO].e[p / FO];
+        v[k] = o[0];
+#pragma unroll
+        for (int c = 1; c < FO; ++c)
+          if (kk == c) v[k] = o[c];
+        nv[k] = n_out - w * VO < VO ? n_out - w * VO : VO;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < UN; ++k) {
+      T* d = yb + y0 + IDX(w0 + k * NT) * VO;
+      if (nv[k] == VO) {
+        *reinterpret_cast<uint4*>(d) = v[k].w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VO; ++j)
+          if (j < nv[k]) d[j] = v[k].e[j];
+      }
+    }
+  }
+}
+
 }  // namespace perm
 
-template <typename T, int VI, int VO, typename IDX, bool REGS = false>
+template <typename T, int VI, int VO, typename IDX, bool REGS = false, int FO = 0>
 __global__ void __launch_bounds__(perm::kThreads)
     permute_tile(const T* __restrict__ x, T* __restrict__ y, const PermuteTileArgs a) {
   constexpr int E = sizeof(T);
-  constexpr int SU = perm::smem_unit(E, VI);
+  // FO: rows of shared memory 16-byte aligned (pitch ti, or a flat input run of a multiple
+  // of VO elements), so a loaded word goes to shared memory whole
+  constexpr int SU = FO > 0 ? VI * E : perm::smem_unit(E, VI);
   constexpr int UN = perm::kTileUnroll;
   typedef perm::Vec<T, VI, SU> In;
   typedef perm::Vec<T, VO, (VO * E < 4 ? VO * E : 4)> Out;
@@ -362,6 +425,11 @@ __global__ void __launch_bounds__(perm::kThreads)
 
     if constexpr (REGS) {  // words of shared memory, transposed in registers
       perm::store_regs<T, VO, IDX>(s, yb, a, ti_e, to_e, ob + i0 * i_out + o0, i_out);
+      __syncthreads();
+      continue;
+    }
+    if constexpr (FO > 0) {  // the flat run's blocks of FO interleaved in registers
+      perm::store_flat<T, VO, FO, IDX>(s, yb, a, ti_e, ob + i0 * so);
       __syncthreads();
       continue;
     }

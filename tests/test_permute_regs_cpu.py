@@ -39,7 +39,7 @@ OFF = dataclasses.replace(HOPPER, perm_byte_regs=())
 def test_register_transpose_is_planned(shape, axes, item, vo):
     p = plan(shape, axes, item)
     assert p.kind == "tile" and p.regs and not p.flat_out and p.vec_out == vo
-    assert p.targs[-1] is True and p.kernel.endswith(", true>")
+    assert p.targs[5] is True and p.kernel.endswith(", true>")
     assert p.targs in set(pp.reachable_steps())
     q = plan(shape, axes, item, tuning=OFF)  # the switch off: the same plan, the gather
     assert not q.regs and q.kernel == p.kernel.replace(", true>", ">")
@@ -47,7 +47,7 @@ def test_register_transpose_is_planned(shape, axes, item, vo):
 
 
 @pytest.mark.parametrize("shape,axes,item,why", [
-    ((64, 3, 224, 224), NHWC, 1, "flat output run (C = 3)"),
+    ((64, 3, 224, 224), NHWC, 1, "flat output run (C = 3): the flat-run interleave"),
     ((64, 224, 224, 3), NCHW, 1, "flat input run of 3 bytes"),
     ((64, 2048, 7, 7), NHWC, 1, "flat input run of 49 bytes"),
     ((64, 7, 7, 2048), NCHW, 1, "flat output run of 49 bytes"),
@@ -59,7 +59,8 @@ def test_register_transpose_is_planned(shape, axes, item, vo):
 def test_gather_is_kept(shape, axes, item, why):
     p = plan(shape, axes, item)
     assert p.kind == "tile" and not p.regs, why
-    assert not p.kernel.endswith(", true>") and "gathers one" in str(p)
+    assert not p.kernel.endswith(", true>")
+    assert "gathers one" in str(p) or p.flat_regs  # tests/test_permute_flat_cpu.py
 
 
 def test_only_the_sizes_in_the_tuning():

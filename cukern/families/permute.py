@@ -4,9 +4,11 @@ materialised, moved as unsigned words by element size (the dtype does not matter
 Kernel signatures (shapes, strides, tiles and grids come with the launch, in one struct)::
 
     permute_rows<W, IDX>(const W* x, W* y, PermuteRowsArgs)          W: 1..16-byte word
-    permute_tile<T, VI, VO, IDX[, REGS]>(const T* x, T* y, PermuteTileArgs)
+    permute_tile<T, VI, VO, IDX[, REGS[, FO]]>(const T* x, T* y, PermuteTileArgs)
                                                    T: 1..16-byte element; REGS (true) for
-                                                   the register phase 2 of 1- and 2-byte ones
+                                                   the register phase 2 of 1- and 2-byte ones,
+                                                   FO (3) for a flat output run of 3-element
+                                                   blocks interleaved in registers
 
 IDX: ``int`` or ``long long``. The argument structs are passed by value as size-1 NumPy
 structured arrays (:data:`ROWS_ARGS`, :data:`TILE_ARGS`: the headers' field order with C
@@ -55,8 +57,9 @@ def _name(targs: tuple) -> str:
     if targs[0] == "rows":
         _, word, index = targs
         return f"cukern::permute_rows<{WORD_TYPES[word]}, {_INDEX[index]}>"
-    _, elem, vi, vo, index, regs = targs
-    tail = ", true" if regs else ""  # REGS defaults to false: the gather's names stay as they were
+    _, elem, vi, vo, index, regs, fo = targs
+    # REGS and FO default to false and 0: the gather's names stay as they were
+    tail = ", true" if regs else f", false, {fo}" if fo else ""
     return f"cukern::permute_tile<{WORD_TYPES[elem]}, {vi}, {vo}, {_INDEX[index]}{tail}>"
 
 

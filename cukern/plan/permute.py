@@ -19,7 +19,9 @@ its strides on both sides, element size, pointer alignment and device to a print
      both sides; a short dim whose tile rows join into one run of memory (C = 3, HW = 49) is
      held whole and moved as that flat run (:func:`tile_shape`). 1- and 2-byte elements
      stored in output rows read shared memory in 32-bit words and transpose them in registers
-     (``REGS``; the tuning's perm_byte_regs, :func:`byte_regs`);
+     (``REGS``; the tuning's perm_byte_regs, :func:`byte_regs`); a flat output run of 3-element
+     blocks (C = 3) stored in 16-byte words reads 16-byte row chunks and interleaves them in
+     registers (``FO``; the tuning's perm_flat_regs, :func:`flat_regs`);
    - ``general``: anything else: ``permute_rows`` over the innermost output dim, an element
      a word.
 
@@ -50,8 +52,9 @@ from .policy import Tuning, tuning_for
 __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "check_dtype",
            "normalize_axes",
            "c_strides", "output_dims", "simplify", "fold_inner", "merge", "vector_width",
-           "tile_shape", "byte_regs", "index_bits", "fast_div", "plan_permute",
-           "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES"]
+           "tile_shape", "byte_regs", "flat_regs", "index_bits", "fast_div", "plan_permute",
+           "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES", "FLAT_SIZES",
+           "FLAT_RUN"]
 
 KINDS = ("copy", "tile", "general")
 TILE_UNROLL = 4  # kernels/permute.cuh: perm::kTileUnroll
@@ -60,6 +63,8 @@ MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
 REGS_SIZES = (1, 2)  # element sizes permute_tile's REGS phase 2 takes (perm::store_regs)
+FLAT_SIZES = (1, 2, 4)  # element sizes permute_tile's FO phase 2 takes (perm::store_flat)
+FLAT_RUN = 3  # the block a flat output run is made of there (FO: C = 3)
 
 
 def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
@@ -215,6 +220,20 @@ def byte_regs(shape: TileShape, elem: int, tuning: Tuning) -> bool:
             and shape.vec_in * elem >= 4 and shape.vec_out * elem >= 4)
 
 
+def flat_regs(shape: TileShape, i: Dim, o: Dim, elem: int, tuning: Tuning) -> int:
+    """FO of ``permute_tile<..., FO>``: FLAT_RUN where the tile's phase 2 interleaves 16-byte
+    row chunks of shared memory in registers (perm::store_flat), else 0 (the gather):
+    ``elem`` in the tuning's perm_flat_regs (1, 2 or 4 bytes), a flat output run of blocks of
+    FLAT_RUN elements (o of that size: C = 3), stores of 16 bytes, loads of at least 4 (fewer
+    instantiations), and rows of shared memory 16-byte aligned: row tiles (the plan's pitch
+    becomes ti) or a flat input run of a multiple of the store's elements."""
+    ok = (elem in tuning.perm_flat_regs and shape.flat_out and o.size == FLAT_RUN
+          and shape.vec_out * elem == 16 and shape.vec_in * elem >= 4
+          and shape.ti % shape.vec_out == 0
+          and (not shape.flat_in or i.size % shape.vec_out == 0))
+    return FLAT_RUN if ok else 0
+
+
 def index_bits(dims, *counts) -> int:
     """32 where every offset on either side (the sum of (size - 1) * |stride|) and every count
     is below INDEX_LIMIT, else 64."""
@@ -259,6 +278,7 @@ class PermutePlan:
     flat_in: bool = False
     flat_out: bool = False
     regs: bool = False  # phase 2 transposes 32-bit shared-memory words in registers
+    flat_regs: int = 0  # FO: phase 2 interleaves 16-byte row chunks of a flat output run
     pitch: int = 0
     group: int = 0
     smem: int = 0
@@ -308,6 +328,9 @@ class PermutePlan:
                 r = 4 // self.elem
                 p2 = (f"32-bit shared-memory words, {r} x {self.vec_out} blocks transposed in "
                       f"registers (perm_byte_regs)")
+            elif self.flat_regs:
+                p2 = (f"16-byte shared-memory row chunks, {self.flat_regs} a block of the "
+                      f"run, interleaved in registers (perm_flat_regs)")
             else:
                 p2 = f"gathers one {self.elem}-byte element a shared-memory load"
             lines.append(f"  phase 2            {p2}")
@@ -361,6 +384,9 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
     if not set(tuning.perm_byte_regs) <= set(REGS_SIZES):
         raise ValueError(f"plan: perm_byte_regs {tuning.perm_byte_regs}: the register "
                          f"transpose takes element sizes {REGS_SIZES}")
+    if not set(tuning.perm_flat_regs) <= set(FLAT_SIZES):
+        raise ValueError(f"plan: perm_flat_regs {tuning.perm_flat_regs}: the flat-run "
+                         f"interleave takes element sizes {FLAT_SIZES}")
     ia, oa = _align(in_align), _align(out_align)
     dims, elem, in_base, out_base = fold_inner(simple.dims, itemsize, ia, oa,
                                                simple.in_offset, simple.out_offset)
@@ -441,6 +467,9 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     ti, to = shape.ti, shape.to
     if ti * to * elem < tuning.perm_tile_min_bytes:
         return None
+    fo = flat_regs(shape, i, o, elem, tuning)
+    if fo and not shape.flat_in:  # unpadded rows: 16-byte chunks both phases, no conflicts
+        shape = shape._replace(pitch=ti)
     smem = -(-(to * shape.pitch * elem) // 16) * 16
     words1 = -(-(to * ti) // shape.vec_in)
     words2 = -(-(to * ti) // shape.vec_out)
@@ -453,27 +482,30 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     grid = _grid(tiles, threads, smem, device, tuning)
     index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
     regs = byte_regs(shape, elem, tuning)
-    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs)
+    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo)
     return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
                        i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
-                       flat_out=shape.flat_out, regs=regs, pitch=shape.pitch,
+                       flat_out=shape.flat_out, regs=regs, flat_regs=fo, pitch=shape.pitch,
                        group=shape.group, smem=smem)
 
 
 def reachable_steps() -> list[tuple]:
     """Every kernel's template arguments the planner can produce (any shape, strides,
-    alignment, dtype or perm_byte_regs): rows kernels of every word size, tile kernels of every
-    element size and pair of vector widths up to 16 bytes, and for 1- and 2-byte elements
-    those with words of 4 bytes or more both ways again with the register phase 2 (18), each
-    with 32- and 64-bit indices."""
+    alignment, dtype, perm_byte_regs or perm_flat_regs): rows kernels of every word size, tile
+    kernels of every element size and pair of vector widths up to 16 bytes, for 1- and 2-byte
+    elements those with words of 4 bytes or more both ways again with the register phase 2
+    (18), and for 1-, 2- and 4-byte elements those with loads of 4 bytes or more and 16-byte
+    stores again with the flat-run interleave (9), each with 32- and 64-bit indices."""
     out: list[tuple] = []
     for index in (32, 64):
         out += [("rows", w, index) for w in WORDS]
         for e in WORDS:
             vs = [v for v in WORDS if v * e <= 16]
-            out += [("tile", e, vi, vo, index, False) for vi in vs for vo in vs]
+            out += [("tile", e, vi, vo, index, False, 0) for vi in vs for vo in vs]
+            ws = [v for v in vs if v * e >= 4]
             if e in REGS_SIZES:
-                ws = [v for v in vs if v * e >= 4]
-                out += [("tile", e, vi, vo, index, True) for vi in ws for vo in ws]
+                out += [("tile", e, vi, vo, index, True, 0) for vi in ws for vo in ws]
+            if e in FLAT_SIZES:
+                out += [("tile", e, vi, 16 // e, index, False, FLAT_RUN) for vi in ws]
     return out

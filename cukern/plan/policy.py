@@ -174,6 +174,12 @@ class Tuning:
     # more move both ways; () gathers an element a shared-memory load everywhere (the old phase
     # 2: int8 45-83% of copy below ~50 MB). Not yet measured: first choice, both on
     perm_byte_regs: tuple[int, ...] = (1, 2)
+    # element sizes (1, 2, 4) whose tile phase 2 over a flat output run of 3-element blocks
+    # (C = 3: NCHW -> NHWC of images) with 16-byte stores reads 16-byte row chunks of shared
+    # memory and interleaves them in registers (one load a chunk where the gather makes one an
+    # element); () gathers there (int8 C = 3 NCHW -> NHWC 56-64% of copy, 16-bit 77-86%).
+    # Not yet measured: first choice, all on
+    perm_flat_regs: tuple[int, ...] = (1, 2, 4)
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.
