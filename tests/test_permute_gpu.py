@@ -401,6 +401,7 @@ def test_strided_out(kind, case, dtype, rng):
 
 def test_runs_on_the_current_stream(rng):
     xh, xd = put(rng, (16, 64, 56, 56), "float16")
+    cp.cuda.Device().synchronize()  # the upload ran on the default stream; s does not wait for it
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         y = cukern.permute(xd, (0, 2, 3, 1))

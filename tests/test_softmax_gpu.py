@@ -307,6 +307,8 @@ def test_user_stream_and_graph_capture(rng):
     new = rng.standard_normal((1000, 3000)).astype(np.float32)
     x.set(new)
     y.fill(np.nan)
+    # the fill ran on the legacy default stream, which a non-blocking stream does not wait for
+    cp.cuda.Device().synchronize()
     graph.launch(stream)
     stream.synchronize()
     assert rel_err(y, reference.softmax(new.astype(np.float64))) < 1e-5
