@@ -39,6 +39,22 @@ __device__ __forceinline__ int cluster_size() {
   asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
   return static_cast<int>(n);
 }
+// Calls f(ClusterSize<N>()) for the cluster's size n (a power of two, 2 to kMaxCluster: the
+// planner's sizes), so that the reductions across the cluster's states (a few shuffles, on the
+// critical path of every row) see their width at compile time while the rest of the kernel is
+// one instantiation for every size.
+template <int N> struct ClusterSize {
+  static constexpr int value = N;
+};
+template <typename F> __device__ __forceinline__ auto with_cluster_size(int n, const F& f) {
+  static_assert(kMaxCluster == 16, "the cases below");
+  switch (n) {
+    case 2: return f(ClusterSize<2>());
+    case 4: return f(ClusterSize<4>());
+    case 8: return f(ClusterSize<8>());
+    default: return f(ClusterSize<16>());
+  }
+}
 // This block's cluster along the grid, and the number of clusters.
 __device__ __forceinline__ unsigned cluster_index() {
   unsigned i;
@@ -150,10 +166,11 @@ template <typename C> __device__ __forceinline__ MaxSum<C> MaxSum<C>::remote(uns
 // and the wait (loads that the fence must not wait for). The final call (`last`, the same in
 // every block) arrives once more after its reads and returns without waiting: the caller
 // must call cluster_wait() before the block exits, so that no block exits while another still
-// reads its state, and may store its results first. Every thread of every block must call it.
+// reads its state, and may store its results first. Every thread of every block must call it,
+// with `n` = cluster_size() (read once by the caller: a special-register read is a latency).
 // Measurements: docs/notes/kernels.md, "Cluster reductions".
 template <typename S, typename F>
-__device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
+__device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool last,
                                            const F& meanwhile) {
   __shared__ S slot[2], result[2];
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -164,10 +181,12 @@ __device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
   cluster_wait();  // every block's state is written
   if (reader) {
     const unsigned lane = tid;
-    // groups of cluster_size() lanes: the first holds every rank's state
-    const int n = cluster_size();
-    const S ranks = lane < n ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
-    const S w = allreduce_group(ranks, n);
+    // groups of N lanes (the cluster's size): the first holds every rank's state
+    const S w = with_cluster_size(n, [&](auto size) {
+      constexpr int N = decltype(size)::value;
+      const S ranks = lane < N ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
+      return allreduce_group(ranks, N);
+    });
     if (lane == 0) result[b] = w;
   }
   if (last) cluster_arrive(reader);  // this block's reads are done; cluster_wait() before exit
@@ -179,10 +198,10 @@ __device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
 // `meanwhile` and `last` as there), each call with its buffer picked by `phase` (as in
 // allreduce_block). Every thread of every block must call it, with the same `phase`.
 template <typename S, typename F>
-__device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last,
+__device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  return merge_cluster(allreduce_block(v, phase), b, last, meanwhile);
+  return merge_cluster(allreduce_block(v, phase), n, b, last, meanwhile);
 }
 
 // The same all-reduce with no cluster barrier a call: threads 0..n-1 (n blocks a cluster) send the
@@ -201,13 +220,12 @@ __device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last,
 // which nothing hides where a block is alone on its SM (the norms' backward); where blocks share
 // an SM, allreduce_cluster is faster (docs/notes/kernels.md).
 template <typename S>
-__device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool last) {
+__device__ __forceinline__ S allreduce_cluster_async(S v, int n, unsigned& phase, bool last) {
   static_assert(sizeof(S) % 4 == 0, "a state is whole 4-byte words");
   __shared__ S inbox[2][kMaxCluster];
   __shared__ unsigned long long arrived[2];
   const unsigned call = phase, b = call & 1u;
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
-  const int n = cluster_size();
   if (call == 0) {
     if (tid == 0) {
       mbarrier_init(&arrived[0], 1);
@@ -224,7 +242,10 @@ __device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool 
   mbarrier_wait(&arrived[b], (call >> 1) & 1u);
   const int lane = static_cast<int>(lane_id());
   // every group of n lanes merges all the states, in the same order
-  const S w = allreduce_group(inbox[b][lane % n], n);
+  const S w = with_cluster_size(n, [&](auto size) {
+    constexpr int N = decltype(size)::value;
+    return allreduce_group(inbox[b][lane % N], N);
+  });
   if (last) cluster_sync();
   return w;
 }
@@ -241,10 +262,11 @@ __device__ __forceinline__ void cluster_pack_range(int num_packs, int cluster, u
 // allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
 struct ClusterReduce {
   static constexpr bool kCluster = true;
+  int n = cluster_size();
   unsigned phase = 0, block_phase = 0;
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster(v, phase, last, meanwhile);
+    return allreduce_cluster(v, n, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
@@ -254,7 +276,7 @@ struct ClusterReduce {
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster(v, phase++ & 1u, last, meanwhile);
+    return merge_cluster(v, n, phase++ & 1u, last, meanwhile);
   }
   __device__ __forceinline__ void finish() { cluster_wait(); }
 };

@@ -582,7 +582,7 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_cluster(CUKERN_NORM_BWD_
   int p0, p1;
   cluster_pack_range(num_packs, n, cluster_rank(), p0, p1);
   auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
-    return allreduce_cluster_async(s, phase, last);
+    return allreduce_cluster_async(s, n, phase, last);
   };
   const unsigned cid = cluster_index();
   grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
