@@ -13,9 +13,7 @@ values before it returns. Arguments of a call, in the kernel's order:
 - :class:`ByValue`: a struct passed by value (its own buffer).
 
 Every launch runs on CuPy's current stream and device; the kernel handle must be the current
-device's (the ops key their launches by device and check it). A launch of clusters (sm_90; the
-kernels read their cluster's size at run time) goes through ``cuLaunchKernelEx`` with the
-cluster-dimension attribute (:func:`launch_config`).
+device's (the ops key their launches by device and check it).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["ByValue", "LaunchConfig", "RawLaunch", "bits", "driver_function", "launch_config"]
+__all__ = ["ByValue", "RawLaunch", "bits"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -41,62 +39,6 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     _ndarray = type(None)
     _DriverError = RuntimeError
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_uint * 3), ("rest", ctypes.c_char * 52)]
-
-
-class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
-                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
-                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-def launch_config(grid, block, smem: int = 0, cluster: int = 1):
-    """A ``CUlaunchConfig`` (the stream left null) with clusters of ``cluster`` blocks along x
-    where ``cluster > 1``; the attribute is kept alive by the returned structure."""
-    g = (tuple(grid) if isinstance(grid, tuple) else (grid,)) + (1, 1)
-    b = (tuple(block) if isinstance(block, tuple) else (block,)) + (1, 1)
-    config = LaunchConfig(*map(int, g[:3]), *map(int, b[:3]), int(smem or 0))
-    if cluster > 1:
-        attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
-        attr.value[:] = (int(cluster), 1, 1)
-        config._attr = attr
-        config.attrs, config.numAttrs = ctypes.pointer(attr), 1
-    return config
-
-
-_driver_functions: dict[str, object] = {}
-
-
-def driver_function(name: str, argtypes):
-    """A CUDA driver entry point through ctypes (returning CUresult), or None where the driver
-    lacks it."""
-    if name not in _driver_functions:
-        try:
-            fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
-            fn.restype, fn.argtypes = ctypes.c_int, argtypes
-        except (OSError, AttributeError):
-            fn = None
-        _driver_functions[name] = fn
-    return _driver_functions[name]
-
-
-def _launch_ex(config, function: int, params: int) -> None:
-    fn = driver_function("cuLaunchKernelEx", [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
-                                             ctypes.c_void_p, ctypes.c_void_p])
-    if fn is None:
-        raise RuntimeError("cuLaunchKernelEx is missing from the CUDA driver: clusters need a "
-                           "driver of CUDA 12 or newer")
-    config.hStream = _current_stream().ptr or None
-    status = fn(ctypes.byref(config), function, params, None)
-    if status:
-        raise _DriverError(status)
 
 
 def bits(value) -> int:
@@ -130,23 +72,18 @@ def _slot(a) -> int:
 
 
 class RawLaunch:
-    """One kernel with its grid, block, dynamic shared memory and cluster size fixed, and
-    optionally fixed trailing arguments (``tail``: slot values, NumPy scalars or
-    :class:`ByValue`); a call passes the leading arguments and launches on CuPy's current
-    stream."""
+    """One kernel with its grid, block and dynamic shared memory fixed, and optionally fixed
+    trailing arguments (``tail``: slot values, NumPy scalars or :class:`ByValue`); a call
+    passes the leading arguments and launches on CuPy's current stream."""
 
-    __slots__ = ("function", "config", "tail", "_ex", "_keep", "_slots", "_params", "_nargs",
-                 "_lock")
+    __slots__ = ("function", "config", "tail", "_keep", "_slots", "_params", "_nargs", "_lock")
 
-    def __init__(self, function: int, grid, block, smem: int = 0, tail: tuple = (),
-                 cluster: int = 1):
+    def __init__(self, function: int, grid, block, smem: int = 0, tail: tuple = ()):
         self.function = function  # CUfunction handle (cupy Function.ptr)
         g = tuple(grid) if isinstance(grid, tuple) else (grid,)
         b = tuple(block) if isinstance(block, tuple) else (block,)
         g, b = g + (1,) * (3 - len(g)), b + (1,) * (3 - len(b))
         self.config = (*map(int, g), *map(int, b), int(smem or 0))
-        # clusters: a CUlaunchConfig built once (its stream set at each call, under the lock)
-        self._ex = launch_config(g, b, smem, cluster) if cluster > 1 else None
         self.tail = tuple(t if isinstance(t, ByValue) else _slot(t) for t in tail)
         self._nargs = -1
         self._lock = threading.Lock()
@@ -179,8 +116,6 @@ class RawLaunch:
             if len(values) != self._nargs:
                 self._build(len(values))
             self._slots[:self._nargs] = values
-            if self._ex is not None:
-                return self._launch_clusters()
             try:
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)
@@ -192,12 +127,3 @@ class RawLaunch:
                 _cp.cuda.runtime.free(0)
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)
-
-    def _launch_clusters(self) -> None:
-        try:
-            _launch_ex(self._ex, self.function, self._params)
-        except _DriverError as e:
-            if e.status != _INVALID_CONTEXT:
-                raise
-            _cp.cuda.runtime.free(0)  # as in __call__
-            _launch_ex(self._ex, self.function, self._params)

@@ -31,41 +31,6 @@ __device__ __forceinline__ unsigned cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// The cluster's size is a launch attribute, not a template argument (one instantiation serves
-// every size; the host launches with cuLaunchKernelEx). Clusters are 1-D along x.
-constexpr int kMaxCluster = 16;  // the non-portable maximum (the host opts kernels in past 8)
-__device__ __forceinline__ int cluster_size() {
-  unsigned n;
-  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  return static_cast<int>(n);
-}
-// Calls f(ClusterSize<N>()) for the cluster's size n (a power of two, 2 to kMaxCluster: the
-// planner's sizes), so that the reductions across the cluster's states (a few shuffles, on the
-// critical path of every row) see their width at compile time while the rest of the kernel is
-// one instantiation for every size.
-template <int N> struct ClusterSize {
-  static constexpr int value = N;
-};
-template <typename F> __device__ __forceinline__ auto with_cluster_size(int n, const F& f) {
-  static_assert(kMaxCluster == 16, "the cases below");
-  switch (n) {
-    case 2: return f(ClusterSize<2>());
-    case 4: return f(ClusterSize<4>());
-    case 8: return f(ClusterSize<8>());
-    default: return f(ClusterSize<16>());
-  }
-}
-// This block's cluster along the grid, and the number of clusters.
-__device__ __forceinline__ unsigned cluster_index() {
-  unsigned i;
-  asm("mov.u32 %0, %%clusterid.x;" : "=r"(i));
-  return i;
-}
-__device__ __forceinline__ unsigned cluster_count() {
-  unsigned n;
-  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(n));
-  return n;
-}
 // The shared-memory address of `p` in the block of cluster rank `rank`.
 __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
   unsigned local, remote;
@@ -166,11 +131,10 @@ template <typename C> __device__ __forceinline__ MaxSum<C> MaxSum<C>::remote(uns
 // and the wait (loads that the fence must not wait for). The final call (`last`, the same in
 // every block) arrives once more after its reads and returns without waiting: the caller
 // must call cluster_wait() before the block exits, so that no block exits while another still
-// reads its state, and may store its results first. Every thread of every block must call it,
-// with `n` = cluster_size() (read once by the caller: a special-register read is a latency).
+// reads its state, and may store its results first. Every thread of every block must call it.
 // Measurements: docs/notes/kernels.md, "Cluster reductions".
-template <typename S, typename F>
-__device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool last,
+template <int CLUSTER, typename S, typename F>
+__device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
                                            const F& meanwhile) {
   __shared__ S slot[2], result[2];
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -181,12 +145,9 @@ __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool l
   cluster_wait();  // every block's state is written
   if (reader) {
     const unsigned lane = tid;
-    // groups of N lanes (the cluster's size): the first holds every rank's state
-    const S w = with_cluster_size(n, [&](auto size) {
-      constexpr int N = decltype(size)::value;
-      const S ranks = lane < N ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
-      return allreduce_group(ranks, N);
-    });
+    // groups of CLUSTER lanes: the first holds every rank's state
+    const S ranks = lane < CLUSTER ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
+    const S w = allreduce_group(ranks, CLUSTER);
     if (lane == 0) result[b] = w;
   }
   if (last) cluster_arrive(reader);  // this block's reads are done; cluster_wait() before exit
@@ -197,32 +158,32 @@ __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool l
 // All-reduce over a whole cluster: the block's state (allreduce_block), then merge_cluster (its
 // `meanwhile` and `last` as there), each call with its buffer picked by `phase` (as in
 // allreduce_block). Every thread of every block must call it, with the same `phase`.
-template <typename S, typename F>
-__device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
+template <int CLUSTER, typename S, typename F>
+__device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  return merge_cluster(allreduce_block(v, phase), n, b, last, meanwhile);
+  return merge_cluster<CLUSTER>(allreduce_block(v, phase), b, last, meanwhile);
 }
 
-// The same all-reduce with no cluster barrier a call: threads 0..n-1 (n blocks a cluster) send the
-// block's state to every block (its inbox slot `rank`) with cluster_store_async, counted off that
-// block's mbarrier; each block waits on its own mbarrier for the n states, and every warp merges
-// them from its own shared memory (the same states in the same butterfly: bit-identical results in
-// every block). A cluster barrier only on the first call (every block's mbarriers initialised
+// The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
+// to every block (its inbox slot `rank`) with cluster_store_async, counted off that block's
+// mbarrier; each block waits on its own mbarrier for the CLUSTER states, and every warp merges
+// them from its own shared memory (the same states in the same butterfly: bit-identical results
+// in every block). A cluster barrier only on the first call (every block's mbarriers initialised
 // before anyone sends) and the last (`last`: no block exits while a store to it may be on its
 // way). A peer's bytes may land before this block announces them (mbarrier_arrive_expect): the
-// barrier's transaction count then runs below zero, and the phase still waits for the arrival. Two
-// inboxes, each with its mbarrier, picked by `phase`: a peer sends to inbox b again two calls
-// later, once its own wait has seen this block's state of the call between, which this block sends
-// past the block barrier in allreduce_block, which each of its warps reaches after reading inbox
-// b. `phase` must count only this function's calls (from 0), the same in every thread of every
-// block, all of which must call it. It avoids the cluster barrier's fence and L1 invalidation,
-// which nothing hides where a block is alone on its SM (the norms' backward); where blocks share
-// an SM, allreduce_cluster is faster (docs/notes/kernels.md).
-template <typename S>
-__device__ __forceinline__ S allreduce_cluster_async(S v, int n, unsigned& phase, bool last) {
+// barrier's transaction count then runs below zero, and the phase still waits for the arrival.
+// Two inboxes, each with its mbarrier, picked by `phase`: a peer sends to inbox b again two
+// calls later, once its own wait has seen this block's state of the call between, which this
+// block sends past the block barrier in allreduce_block, which each of its warps reaches after
+// reading inbox b. `phase` must count only this function's calls (from 0), the same in every
+// thread of every block, all of which must call it. It avoids the cluster barrier's fence and
+// L1 invalidation, which nothing hides where a block is alone on its SM (the norms' backward);
+// where blocks share an SM, allreduce_cluster is faster (docs/notes/kernels.md).
+template <int CLUSTER, typename S>
+__device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool last) {
   static_assert(sizeof(S) % 4 == 0, "a state is whole 4-byte words");
-  __shared__ S inbox[2][kMaxCluster];
+  __shared__ S inbox[2][CLUSTER];
   __shared__ unsigned long long arrived[2];
   const unsigned call = phase, b = call & 1u;
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -234,18 +195,15 @@ __device__ __forceinline__ S allreduce_cluster_async(S v, int n, unsigned& phase
     }
     cluster_sync();
   }
-  if (tid == 0) mbarrier_arrive_expect(&arrived[b], n * sizeof(S));
+  if (tid == 0) mbarrier_arrive_expect(&arrived[b], CLUSTER * sizeof(S));
   v = allreduce_block(v, phase);
-  if (tid < n) {
+  if (tid < CLUSTER) {
     v.put_remote(cluster_map(&inbox[b][cluster_rank()], tid), cluster_map(&arrived[b], tid));
   }
   mbarrier_wait(&arrived[b], (call >> 1) & 1u);
   const int lane = static_cast<int>(lane_id());
-  // every group of n lanes merges all the states, in the same order
-  const S w = with_cluster_size(n, [&](auto size) {
-    constexpr int N = decltype(size)::value;
-    return allreduce_group(inbox[b][lane % N], N);
-  });
+  // every group of CLUSTER lanes merges all the states, in the same order
+  const S w = allreduce_group(inbox[b][lane % CLUSTER], CLUSTER);
   if (last) cluster_sync();
   return w;
 }
@@ -258,15 +216,14 @@ __device__ __forceinline__ void cluster_pack_range(int num_packs, int cluster, u
   p1 = min(num_packs, p0 + per);
 }
 
-// BlockReduce's interface (reduce.cuh) over the blocks of a cluster: operator() is
+// BlockReduce's interface (reduce.cuh) over a cluster of CLUSTER blocks: operator() is
 // allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
-struct ClusterReduce {
+template <int CLUSTER> struct ClusterReduce {
   static constexpr bool kCluster = true;
-  int n = cluster_size();
   unsigned phase = 0, block_phase = 0;
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster(v, n, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER>(v, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
@@ -276,7 +233,7 @@ struct ClusterReduce {
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster(v, n, phase++ & 1u, last, meanwhile);
+    return merge_cluster<CLUSTER>(v, phase++ & 1u, last, meanwhile);
   }
   __device__ __forceinline__ void finish() { cluster_wait(); }
 };

@@ -4,8 +4,7 @@
 // Variants, chosen by the planner (cukern/plan/):
 //   *_warp            a group of blockDim.x lanes owns a row held in registers (cols <= 1024)
 //   *_block_smem      one block per row, the row cached in shared memory in its storage type
-//   *_cluster         a cluster of 2-16 blocks per row (sm_90; its size set at launch),
-//                     each caching a slice
+//   *_cluster         a cluster of CLUSTER blocks per row (sm_90), each caching a slice
 //   *_block_uncached  one block per row, the row read again from global memory
 #pragma once
 #include "cluster.cuh"
@@ -574,20 +573,20 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NO
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // Each block of the cluster caches its slice of the row (see grad_cached); the cluster's
 // partial row of column sums is written by its blocks, a slice each.
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS, bool GAMMA>
-__global__ void __launch_bounds__(1024) layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS(T)) {
+template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS, bool GAMMA>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
+layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS(T)) {
   CUKERN_NORM_BWD_SETUP(T);
-  const int num_packs = cols / PACK, n = cluster_size();
-  const int slice = (num_packs + n - 1) / n * PACK;  // values per slice
+  const int num_packs = cols / PACK;
+  const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // values per slice
   int p0, p1;
-  cluster_pack_range(num_packs, n, cluster_rank(), p0, p1);
+  cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
   auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
-    return allreduce_cluster_async(s, n, phase, last);
+    return allreduce_cluster_async<CLUSTER>(s, phase, last);
   };
-  const unsigned cid = cluster_index();
   grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
-      aligned_dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, cid, rows,
-      cluster_count(), cols, slice, p0, p1, cid, reduce);
+      aligned_dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x / CLUSTER, rows,
+      gridDim.x / CLUSTER, cols, slice, p0, p1, blockIdx.x / CLUSTER, reduce);
 }
 #endif
 

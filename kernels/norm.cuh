@@ -32,7 +32,7 @@
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
-// the forward's fused RESIDUAL (a read and a write more), the forward
+// the cluster size, the forward's fused RESIDUAL (a read and a write more), the forward
 // cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a cached
 // forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
 // WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether
@@ -40,8 +40,7 @@
 // P (T, or float for 16-bit T: float32 weight and bias with half or bfloat16 data, a separate
 // instantiation so that the others' code stays as it is; a run-time flag changed ptxas's
 // register allocation of many of them). The group width (blockDim.x of the warp kernel), the
-// block size, the cluster size (a launch attribute), padding, the number of buffers of a cached
-// backward and whether the forward warp
+// block size, padding, the number of buffers of a cached backward and whether the forward warp
 // and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
 // AffineStore) are read at run time.
 //

@@ -3,9 +3,8 @@
 // Four variants, chosen by the planner (cukern/plan/):
 //   *_warp            a group of blockDim.x lanes owns a row held in registers (cols <= 1024)
 //   *_block_smem      one block per row; the row is cached in shared memory in its storage type
-//   *_cluster         a cluster of 2-16 blocks per row (sm_90; its size set at launch): each
-//                     block caches a slice, and the partial reductions meet through
-//                     distributed shared memory
+//   *_cluster         a cluster of CLUSTER blocks per row (sm_90): each block caches a slice,
+//                     and the partial reductions meet through distributed shared memory
 //   *_block_uncached  one block per row; an online (max, sum) pass, then the row is read again
 //                     from global memory (L2 often still holds it)
 // ALGO: 0 = softmax, 1 = log-softmax. STRIDED: general (outer, col, inner) addressing, PACK == 1.
@@ -380,17 +379,17 @@ softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOU
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-template <typename T, int ALGO, int PACK>
-__global__ void __maxnreg__((CachedRegs<T, PACK, true>::value))
+template <typename T, int ALGO, int PACK, int CLUSTER>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __maxnreg__((CachedRegs<T, PACK, true>::value))
 softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                 CUKERN_LAYOUT_ARGS(ys)) {
   constexpr bool STRIDED = false;
   typedef typename Num<T>::compute C;
   int p0, p1;
-  cluster_pack_range(cols / PACK, cluster_size(), cluster_rank(), p0, p1);
+  cluster_pack_range(cols / PACK, CLUSTER, cluster_rank(), p0, p1);
   softmax_cached<ALGO, PACK, CachedRegs<T, PACK, true>::kHold>(
       Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
-      cluster_index(), cluster_count(), p0, p1, ClusterReduce());
+      blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1, ClusterReduce<CLUSTER>());
 }
 #endif
 
@@ -673,20 +672,19 @@ softmax_grad_block_uncached(const T* y, const T* dy, T* dx, i64 rows, int cols, 
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-template <typename T, int ALGO, int PACK>
-__global__ void __launch_bounds__(1024)
+template <typename T, int ALGO, int PACK, int CLUSTER>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 softmax_grad_cluster(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                      CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys), CUKERN_LAYOUT_ARGS(dxs)) {
   constexpr bool STRIDED = false;
   typedef typename Num<T>::compute C;
   const int num_packs = cols / PACK;
-  const int n = cluster_size();
   int p0, p1;
-  cluster_pack_range(num_packs, n, cluster_rank(), p0, p1);
+  cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
   softmax_grad_cached<ALGO, PACK>(
       Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
-      Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, cluster_index(), cluster_count(), p0,
-      p1, (num_packs + n - 1) / n, ClusterReduce());
+      Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x / CLUSTER,
+      gridDim.x / CLUSTER, p0, p1, (num_packs + CLUSTER - 1) / CLUSTER, ClusterReduce<CLUSTER>());
 }
 #endif
 

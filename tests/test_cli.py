@@ -942,20 +942,17 @@ def test_explain_norm_switches():
             "--device", "h100", "--weight", "--bias")
     plain = run(*args).stdout
     # a lone block of 1024 threads: a cluster of two whose blocks share SMs
-    assert "layer_norm_cluster<cukern::f16, 0, 8, true, true, false, false, 3, 1>" in plain
-    assert "cluster            2 blocks per row" in plain
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 2, true, true, false, false, 3, 1>" in plain
     wide = run("explain", "layer-norm", "--shape", "1024x131072", "--dtype", "float16",
                "--device", "h100", "--weight", "--bias").stdout
     # two rows a pass over a cluster of 8 (Tuning.paired_min_cols in cukern/plan/policy.py)
-    assert "layer_norm_cluster<cukern::f16, 0, 8, true, true, false, false, 3, 2>" in wide
-    assert "cluster            8 blocks per row" in wide
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3, 2>" in wide
     assert "rows_per_pass      2" in wide and "rows_per_pass" not in plain
     # without weight and bias (template switches of the clusters), one row a pass over half
     # the cluster
     bare = run("explain", "layer-norm", "--shape", "1024x131072", "--dtype", "float16",
                "--device", "h100").stdout
-    assert "layer_norm_cluster<cukern::f16, 0, 8, false, false, false, false, 3, 1>" in bare
-    assert "cluster            4 blocks per row" in bare
+    assert "layer_norm_cluster<cukern::f16, 0, 8, 4, false, false, false, false, 3, 1>" in bare
     fused = run(*args, "--residual").stdout
     assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true>" in fused
     assert "overlap            each block" in fused and "overlap" not in plain

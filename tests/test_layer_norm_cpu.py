@@ -127,8 +127,7 @@ def test_name_expressions():
     regs = "true" if p.sums_in_registers else "false"
     gamma = "true" if p.gamma_in_smem else "false"
     assert p.name_expression() == \
-        f"cukern::layer_norm_grad_cluster<float, 0, 4, true, {regs}, {gamma}>"
-    assert p.cluster > 1  # the cluster size is a launch attribute, not a template argument
+        f"cukern::layer_norm_grad_cluster<float, 0, 4, {p.cluster}, true, {regs}, {gamma}>"
     # the last two arguments: whether the column sums live in registers, and gamma in shared
     # memory (neither without a weight)
     p = plan_rowwise("rms_norm_backward", 8, 3000, "float64", A100)
@@ -141,8 +140,7 @@ def test_name_expressions():
                      switches=Switches(weight=True, bias=True))
     assert (p.variant, p.threads, p.overlap, p.rows_per_pass) == (Variant.CLUSTER, 512, False, 2)
     assert p.name_expression() == \
-        "cukern::layer_norm_cluster<cukern::f16, 0, 8, true, true, false, false, 3, 2>"
-    assert p.cluster == 8
+        "cukern::layer_norm_cluster<cukern::f16, 0, 8, 8, true, true, false, false, 3, 2>"
     assert replace(p, block=(256, 1)).name_expression().endswith(", false, 3, 2>")
     assert replace(p, block=(1024, 1)).name_expression().endswith(", false, 1, 2>")
     assert replace(p, rows_per_pass=1).name_expression().endswith(", false, 3, 1>")
@@ -150,7 +148,7 @@ def test_name_expressions():
                      switches=Switches(weight=True, residual=True))
     assert p.variant is Variant.CLUSTER and p.overlap
     assert p.name_expression() == \
-        "cukern::layer_norm_cluster<float, 1, 4, true, false, true, true, 1, 1>"
+        f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1, 1>"
     # the default switches are the first listed: no weight, no bias, no residual
     assert plan_rowwise("layer_norm", 4, 64, "float32", H100).switches == Switches()
     assert policy("layer_norm").switch_sets[0] == Switches()

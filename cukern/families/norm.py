@@ -2,23 +2,23 @@
 (``kernels/layer_norm.cuh``) and backward with dweight/dbias (``kernels/layer_norm_grad.cuh``;
 two headers only to keep each readable, both on ``kernels/norm.cuh``).
 
-Kernel signatures (group width, block size and cluster size are read from the launch; the
-switches that are template arguments are the forward's RESIDUAL, which adds a read and a write,
-its cluster kernels' WEIGHT and BIAS, and the backward's WEIGHT, which sizes its column sums;
-the forward's warp and block kernels read weight and bias at run time, absent as null pointers,
-so one instantiation serves every Switches of a residual setting, while its clusters keep them
-as switches: run-time presence cost them 1-6 points of copy speed). Float32 weight and bias with
+Kernel signatures (group width and block size are read from the launch; the switches that
+are template arguments are the forward's RESIDUAL, which adds a read and a write, its cluster
+kernels' WEIGHT and BIAS, and the backward's WEIGHT, which sizes its column sums; the forward's
+warp and block kernels read weight and bias at run time, absent as null pointers, so one
+instantiation serves every Switches of a residual setting, while its clusters keep them as
+switches: run-time presence cost them 1-6 points of copy speed). Float32 weight and bias with
 float16 or bfloat16 data (Switches.float32_params) run the uncached kernels with their type P =
 float, the only kernels instantiated for them (P defaults to T)::
 
     layer_norm_warp<T, ALGO, PACK, CPT, RPA, R>
     layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP>
     layer_norm_block_uncached<T, ALGO, PACK, R[, P]>
-    layer_norm_cluster<T, ALGO, PACK, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
+    layer_norm_cluster<T, ALGO, PACK, CLUSTER, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
     layer_norm_grad_warp<T, ALGO, PACK, CPT, RPA, W>
     layer_norm_grad_block_smem<T, ALGO, PACK, W, REGS, GAMMA>
     layer_norm_grad_block_uncached<T, ALGO, PACK, W[, P]>
-    layer_norm_grad_cluster<T, ALGO, PACK, W, REGS, GAMMA>
+    layer_norm_grad_cluster<T, ALGO, PACK, CLUSTER, W, REGS, GAMMA>
     norm_param_grad_partial<T, ALGO, PACK>, norm_param_grad_reduce<T>   (auxiliary)
 """
 
@@ -66,6 +66,8 @@ def name_expression(plan: Plan) -> str:
     args = [CPP_TYPES[plan.dtype], pol.algo, plan.pack_size]
     if v is Variant.WARP:
         args += [plan.cols_per_thread, plan.rows_per_access]
+    elif v is Variant.CLUSTER:
+        args.append(plan.cluster)
     cached = v in (Variant.BLOCK_SMEM, Variant.CLUSTER)
     args += [_tf(getattr(sw, s)) for s in template_switches(pol.op, v)]
     if pol.col_sums:  # backward

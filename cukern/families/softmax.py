@@ -1,13 +1,12 @@
 """The softmax family (``kernels/softmax.cuh``): softmax and log-softmax, forward and backward,
 along any axis (strided kernels for columns that are not adjacent in memory).
 
-Kernel signatures (the group width, block size, padding and cluster size are read from the
-launch)::
+Kernel signatures (the group width, block size and padding are read from the launch)::
 
     softmax_warp<T, ALGO, STRIDED, PACK, CPT, RPA>      softmax_grad_warp<...same...>
     softmax_block_smem<T, ALGO, STRIDED, PACK>          softmax_grad_block_smem<...>
     softmax_block_uncached<T, ALGO, STRIDED, PACK>      softmax_grad_block_uncached<...>
-    softmax_cluster<T, ALGO, PACK>                      softmax_grad_cluster<...>
+    softmax_cluster<T, ALGO, PACK, CLUSTER>             softmax_grad_cluster<...>
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ def name_expression(plan: Plan) -> str:
     pol = plan.policy
     args = [CPP_TYPES[plan.dtype], pol.algo]
     if plan.variant is Variant.CLUSTER:
-        args.append(plan.pack_size)
+        args += [plan.pack_size, plan.cluster]
     else:
         args += [_tf(plan.strided), plan.pack_size]
         if plan.variant is Variant.WARP:
