@@ -408,9 +408,9 @@ __device__ __forceinline__ Vec<T, VO, 4> skew_word(const unsigned (&w)[NS],
 // NS = VO + (R - 1) D rows of the column (one 32-bit load each, shared by the R channels)
 // where a gather reads VO elements a word. A negative row is channel c - 1's row + L: the same
 // column (byte j - 1), or for j = 0 the column before (byte R - 1, NA loads). Lanes take items
-// in pairs of k (32 bytes of a channel's run a store), then the next column, then the next pair
-// (k fastest alone would put a warp's rows VO apart: 2 banks a load). y0: the output offset of
-// the tile's run.
+// in runs of 2^group consecutive k (2^group words of a channel's run a store), then the next
+// column, then the next run (k fastest alone would put a warp's rows VO apart: 2 banks a
+// load). y0: the output offset of the tile's run.
 template <typename T, int VO, int D, typename IDX>
 __device__ __forceinline__ void store_skew(const T* s, T* __restrict__ yb, const PermuteTileArgs& a,
                                            int ti_e, IDX y0) {
@@ -424,14 +424,15 @@ __device__ __forceinline__ void store_skew(const T* s, T* __restrict__ yb, const
   const int n_out = ti_e * L;
   const int nu = a.ti / R;  // columns
   const int K = L / VO + 1;  // the most words a channel owns
-  const int items = nu * ((K + 1) >> 1) * 2;
+  const int gk = a.group;  // log2 of the consecutive k lanes take
+  const int items = (nu * ((K + (1 << gk) - 1) >> gk)) << gk;
   const int pw = a.pitch / R;  // the pitch in 32-bit words
   const unsigned* s32 = reinterpret_cast<const unsigned*>(s);
   for (int it = threadIdx.x; it < items; it += blockDim.x) {
-    const int pr = it >> 1;
+    const int pr = it >> gk;
     const int kb = pr / nu;
     const int u = pr - kb * nu;
-    const int k = kb * 2 + (it & 1);
+    const int k = (kb << gk) + (it & ((1 << gk) - 1));
     const int c0 = u * R;
     const int b = NA > 0 ? (c0 * L) & (VO - 1) : 0;  // NA = 0: every column starts on a word
     const int t0 = k * VO - b - (R - 1) * D;  // the row of slot 0

@@ -43,7 +43,7 @@ def test_skewed_columns_are_planned(shape, item, d, tile):
     assert p.vec_in * item == 16 and p.vec_out * item == 16 and p.pitch % 8 == 4
     assert p.targs[7] == d == p.o_dim.size % p.vec_out
     assert p.kernel.endswith(f", false, 0, {d}>") and p.targs in set(pp.reachable_steps())
-    assert "rows skewed" in str(p) and "(perm_skew_regs)" in str(p)
+    assert "rows skewed" in str(p) and "(perm_skew_regs; lanes store 2 words" in str(p)
     assert p.tile[0] * item >= 32  # phase 1 loads whole sectors a tile row
 
 
@@ -148,7 +148,7 @@ def store_skew(p: pp.PermutePlan, ti_e: int, y0: int, smem: bytes, loads=None) -
     ns_slots, na = vo + (r - 1) * d, skew_spill(e, d)
     n_out = ti_e * L
     nu, k_items = ti // r, L // vo + 1
-    pw = p.pitch // r
+    pw, gk = p.pitch // r, p.group
 
     def word(index: int) -> int:
         at = index * 4
@@ -158,9 +158,9 @@ def store_skew(p: pp.PermutePlan, ti_e: int, y0: int, smem: bytes, loads=None) -
         return int.from_bytes(smem[at:at + 4], "little")
 
     written: dict = {}
-    for it in range(nu * (k_items + 1) // 2 * 2):
-        kb, u = divmod(it >> 1, nu)
-        k = kb * 2 + (it & 1)
+    for it in range((nu * -(-k_items // (1 << gk))) << gk):
+        kb, u = divmod(it >> gk, nu)
+        k = (kb << gk) + (it & ((1 << gk) - 1))
         c0 = u * r
         b = (c0 * L) & (vo - 1) if na else 0
         assert b == (c0 * L) & (vo - 1) and b + (r - 1) * d < vo
@@ -280,6 +280,31 @@ def test_skew_model_writes_the_transpose(name, case, p):
         assert v == x[ol, il].tobytes(), (name, il, ol)
 
 
+@pytest.mark.parametrize("words", [1, 4, 8, 16])
+@pytest.mark.parametrize("case", [SKEW_CASES[k] for k in (1, 2, 4, 6, 7, 10, 12, 13, 15)],
+                         ids=_id)
+def test_skew_model_other_lane_runs(case, words):
+    """perm_skew_words other than the default: the same bytes, each once."""
+    p = skew_case_plan(case, dataclasses.replace(HOPPER, perm_skew_words=words))
+    assert p.skew_regs and p.group == words.bit_length() - 1
+    assert f"lanes store {words} words" in str(p)
+    item, b, c, _c_in, L, out_base = case
+    rng = np.random.default_rng(words * c + L)
+    x = rng.integers(0, 256, (L, c, item), dtype=np.uint8)
+    y = run_model(p, x, out_base, words)
+    assert set(y) == set(range(out_base, out_base + c * L))
+    for q, v in y.items():
+        il, ol = divmod(q - out_base, L)
+        assert v == x[ol, il].tobytes(), (il, ol)
+
+
+def test_skew_words_checked():
+    with pytest.raises(ValueError, match="perm_skew_words"):
+        plan((64, 7, 7, 2048), NCHW, 1, tuning=dataclasses.replace(HOPPER, perm_skew_words=3))
+    p = plan((64, 7, 7, 2048), NCHW, 1)
+    assert p.group == 1 and "lanes store 2 words of a channel" in str(p)
+
+
 def test_skew_model_covers_the_edges():
     seen = set()
     for _, (item, _b, c, _c_in, L, out_base), p in PLANS:
@@ -318,7 +343,7 @@ def _phase2_cost(p: pp.PermutePlan) -> tuple[float, float]:
     for it, addrs in loads.items():
         per_item[it] = addrs
     del x
-    items = (c // r) * ((L // vo + 2) // 2) * 2
+    items = ((c // r) * -(-(L // vo + 1) // (1 << p.group))) << p.group
     wave = instr = 0
     for w0 in range(0, items, 32):
         lanes = [per_item.get(it, []) for it in range(w0, min(w0 + 32, items))]
@@ -388,3 +413,7 @@ def test_benchmark_flags():
     with pytest.raises(SystemExit):
         ap.parse_args(["--skew-regs", "4"])
     assert regs.SWITCHES["skew"] == ("perm_skew_regs", "skew_regs", pp.SKEW_SIZES)
+    assert regs.from_args(ap.parse_args(["--skew-words", "4", "--ab-skew-regs"])) == (
+        {"perm_skew_words": 4}, ("skew",))
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--skew-words", "3"])

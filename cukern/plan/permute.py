@@ -367,7 +367,8 @@ class PermutePlan:
                 r, d = 4 // self.elem, self.targs[7]
                 p2 = (f"32-bit shared-memory columns of {r} channels, rows skewed {d} a "
                       f"channel (run of {self.o_dim.size} = {d} mod {self.vec_out}), "
-                      f"interleaved in registers (perm_skew_regs)")
+                      f"interleaved in registers (perm_skew_regs; lanes store "
+                      f"{1 << self.group} words of a channel)")
             elif self.flat_regs:
                 p2 = (f"16-byte shared-memory row chunks, {self.flat_regs} a block of the "
                       f"run, interleaved in registers (perm_flat_regs)")
@@ -427,6 +428,8 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
     if not set(tuning.perm_flat_regs) <= set(FLAT_SIZES):
         raise ValueError(f"plan: perm_flat_regs {tuning.perm_flat_regs}: the flat-run "
                          f"interleave takes element sizes {FLAT_SIZES}")
+    if tuning.perm_skew_words not in (1, 2, 4, 8, 16):
+        raise ValueError(f"plan: perm_skew_words {tuning.perm_skew_words}: 1, 2, 4, 8 or 16")
     if not set(tuning.perm_skew_regs) <= set(SKEW_SIZES):
         raise ValueError(f"plan: perm_skew_regs {tuning.perm_skew_regs}: the skewed-column "
                          f"phase 2 takes element sizes {SKEW_SIZES}")
@@ -526,6 +529,8 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
     regs = byte_regs(shape, elem, tuning)
     sk = skew_regs(shape, o, elem, tuning)
+    if sk >= 0:  # phase 2's lanes: runs of perm_skew_words words of a channel
+        shape = shape._replace(group=tuning.perm_skew_words.bit_length() - 1)
     targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo, sk)
     return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,

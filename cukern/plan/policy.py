@@ -189,6 +189,11 @@ class Tuning:
     # int8 (N, 28, 28, 512) 61-66% of copy, fp16 rows of 196 78-82%). () keeps the gather of
     # 7x7 planes and row tiles elsewhere. Not yet measured: first choice, both on
     perm_skew_regs: tuple[int, ...] = (1, 2)
+    # ... its lanes take this many consecutive words of a channel's run (1, 2, 4, 8, 16), then
+    # the next column: a store instruction writes runs of this many 16-byte words; a warp's
+    # loads meet 2-way bank conflicts from 4 (the words' rows 16 (int8) or 8 apart, pitches
+    # 4 (mod 8) elements), 4-way from 8. Not yet measured: first choice 2
+    perm_skew_words: int = 2
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.
