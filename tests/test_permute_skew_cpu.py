@@ -330,27 +330,18 @@ def test_skew_model_covers_the_edges():
 
 def _phase2_cost(p: pp.PermutePlan) -> tuple[float, float]:
     """(wavefronts, load instructions) a warp of store_skew spends per 512 bytes of output,
-    over one full tile (warps of 32 consecutive items, each load slot one instruction)."""
+    over one full tile (warps of 32 consecutive items; the q-th load of each lane of a warp
+    one instruction)."""
     c, L = p.tile[0], p.o_dim.size
-    x = np.zeros((L, c, p.elem), np.uint8)
-    smem = bytes(p.smem)
-    loads: dict = {}
-    e, vo, d = p.elem, p.vec_out, p.targs[7]
-    r = 4 // e
-    # rebuild the per-slot address lists of each warp from the model's loads, item by item
-    per_item = {}
-    store_skew(p, c, 0, smem, loads=loads)
-    for it, addrs in loads.items():
-        per_item[it] = addrs
-    del x
+    e, vo, r = p.elem, p.vec_out, 4 // p.elem
+    loads: dict = {}  # item -> byte addresses of its loads, in order
+    store_skew(p, c, 0, bytes(p.smem), loads=loads)
     items = ((c // r) * -(-(L // vo + 1) // (1 << p.group))) << p.group
     wave = instr = 0
     for w0 in range(0, items, 32):
-        lanes = [per_item.get(it, []) for it in range(w0, min(w0 + 32, items))]
-        n = max(len(a) for a in lanes)
-        for q in range(n):
-            addrs = [a[q] for a in lanes if q < len(a)]
-            wave += _wavefronts(addrs, 4)
+        lanes = [loads.get(it, []) for it in range(w0, min(w0 + 32, items))]
+        for q in range(max(len(a) for a in lanes)):
+            wave += _wavefronts([a[q] for a in lanes if q < len(a)], 4)
             instr += 1
     out_bytes = c * L * e
     return wave * 512 / out_bytes, instr * 512 / out_bytes
@@ -417,3 +408,24 @@ def test_benchmark_flags():
         {"perm_skew_words": 4}, ("skew",))
     with pytest.raises(SystemExit):
         ap.parse_args(["--skew-words", "3"])
+
+
+def test_kernel_source_on_the_host(tmp_path):
+    """perm::store_skew itself (the header's code, not the model), compiled by the host's C++
+    compiler with the CUDA builtins stubbed (tests/permute_skew_host.cpp) and run over tiles
+    of 1..ti channels, runs of every D, 1- and 2-byte elements, lane runs of 1, 2, 4, 16."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "skew_host"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-w", f'-DPERMUTE_CUH="{root}/kernels/permute.cuh"',
+                    "-o", str(exe), str(root / "tests" / "permute_skew_host.cpp")],
+                   check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith(" 0 failed"), out.stdout
+    assert int(out.stdout.split()[0]) > 5000

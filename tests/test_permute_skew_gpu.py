@@ -102,6 +102,22 @@ def test_shapes_both_ways(case, dtype, switch, rng):
     check(xd, xh, axes)
 
 
+@pytest.mark.parametrize("words", [1, 4, 16])
+@pytest.mark.parametrize("shape,dtype", [
+    ((2, 7, 7, 2048), "int8"), ((3, 14, 14, 1024), "int8"), ((2, 28, 28, 512), "int8"),
+    ((1, 7, 7, 48), "int8"), ((2, 7, 7, 2048), "bfloat16"), ((3, 14, 14, 1024), "bfloat16"),
+    ((1, 7, 7, 48), "bfloat16"), ((2, 3, 3, 64), "bfloat16")], ids=str)
+def test_lane_runs(shape, dtype, words, monkeypatch, rng):
+    """perm_skew_words other than the default (lanes storing 1, 4, 16 words of a channel)."""
+    monkeypatch.setattr(pp, "tuning_for", _tuning(True, perm_skew_words=words))
+    _clear()
+    xh, xd = put(rng, shape, dtype)
+    p = ops.plan_for(xd, NCHW)
+    assert p.skew_regs and p.group == words.bit_length() - 1, str(p)
+    check(xd, xh, NCHW)
+    _clear()
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float16", "float32"])
 def test_to_nchw_of_planes(dtype, switch, rng):
     for shape in ((4, 7, 7, 256), (2, 14, 14, 128)):

@@ -49,6 +49,18 @@ from .permute_dims import (
     output_dims,
     simplify,
 )
+from .permute_phase2 import (
+    FLAT_RUN,
+    FLAT_SIZES,
+    REGS_SIZES,
+    SKEW_SIZES,
+    SKEWS,
+    byte_regs,
+    describe,
+    flat_regs,
+    skew_regs,
+    skew_run,
+)
 from .policy import Tuning, tuning_for
 
 __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "check_dtype",
@@ -64,11 +76,6 @@ MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
 # 32-bit kernels: offsets and counts stay below this (a tile or row tile may overhang its dim)
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
-REGS_SIZES = (1, 2)  # element sizes permute_tile's REGS phase 2 takes (perm::store_regs)
-FLAT_SIZES = (1, 2, 4)  # element sizes permute_tile's FO phase 2 takes (perm::store_flat)
-FLAT_RUN = 3  # the block a flat output run is made of there (FO: C = 3)
-SKEW_SIZES = (1, 2)  # element sizes permute_tile's SK phase 2 takes (perm::store_skew)
-SKEWS = (0, 1, 4)  # run lengths (mod the 16-byte word's elements) it is instantiated for
 
 
 def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
@@ -221,53 +228,6 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     return TileShape(ti, to, fin, fout, vi, vo, pitch, group)
 
 
-def byte_regs(shape: TileShape, elem: int, tuning: Tuning) -> bool:
-    """Whether the tile's phase 2 transposes 32-bit words of shared memory in registers
-    (``permute_tile<..., REGS = true>``): ``elem`` in the tuning's perm_byte_regs (1 or 2
-    bytes), output rows (a flat output run is gathered), tile rows in shared memory 4 (mod 8)
-    elements apart (rows; a flat input run of such a length, as HW = 196: 4-byte aligned
-    words, lanes on distinct banks; HW = 49 or C = 3 keep the gather) and words of at least 4
-    bytes both ways (narrower ones keep the gather: fewer instantiations)."""
-    return (elem in tuning.perm_byte_regs and not shape.flat_out and shape.pitch % 8 == 4
-            and shape.vec_in * elem >= 4 and shape.vec_out * elem >= 4)
-
-
-def flat_regs(shape: TileShape, i: Dim, o: Dim, elem: int, tuning: Tuning) -> int:
-    """FO of ``permute_tile<..., FO>``: FLAT_RUN where the tile's phase 2 interleaves 16-byte
-    row chunks of shared memory in registers (perm::store_flat), else 0 (the gather):
-    ``elem`` in the tuning's perm_flat_regs (1, 2 or 4 bytes), a flat output run of blocks of
-    FLAT_RUN elements (o of that size: C = 3), stores of 16 bytes, loads of at least 4 (fewer
-    instantiations), and rows of shared memory 16-byte aligned: row tiles (the plan's pitch
-    becomes ti) or a flat input run of a multiple of the store's elements."""
-    ok = (elem in tuning.perm_flat_regs and shape.flat_out and o.size == FLAT_RUN
-          and shape.vec_out * elem == 16 and shape.vec_in * elem >= 4
-          and shape.ti % shape.vec_out == 0
-          and (not shape.flat_in or i.size % shape.vec_out == 0))
-    return FLAT_RUN if ok else 0
-
-
-def skew_run(so: int, elem: int, vec_in: int, vec_out: int, tuning: Tuning) -> int:
-    """D = so mod the store word's elements where a flat output run of channels of ``so``
-    elements may take the skewed-column phase 2 (``elem`` in the tuning's perm_skew_regs,
-    16-byte loads and stores, so at least a word and at most perm_flat_max_bytes, D in
-    SKEWS), else -1."""
-    vo = 16 // elem
-    ok = (elem in tuning.perm_skew_regs and vec_in * elem == 16 and vec_out * elem == 16
-          and vo <= so and so * elem <= tuning.perm_flat_max_bytes and so % vo in SKEWS)
-    return so % vo if ok else -1
-
-
-def skew_regs(shape: TileShape, o: Dim, elem: int, tuning: Tuning) -> int:
-    """SK of ``permute_tile<..., SK>``: D = L mod VO where the tile's phase 2 reads 32-bit
-    shared-memory columns of 4 / elem channels over rows skewed D a channel
-    (perm::store_skew), else -1 (the gather): a flat output run of channels of L = o.size
-    elements (:func:`skew_run`) beside row tiles 4 (mod 8) elements apart (32-bit aligned
-    columns; a flat input side keeps the gather)."""
-    if not shape.flat_out or shape.flat_in or shape.pitch % 8 != 4 or shape.ti * elem % 4:
-        return -1
-    return skew_run(o.size, elem, shape.vec_in, shape.vec_out, tuning)
-
-
 def index_bits(dims, *counts) -> int:
     """32 where every offset on either side (the sum of (size - 1) * |stride|) and every count
     is below INDEX_LIMIT, else 64."""
@@ -359,22 +319,7 @@ class PermutePlan:
             lines.append(f"  vectors            loads {self.vec_in} x {self.elem} B along "
                          f"{'the input run' if self.flat_in else 'i'}, stores {self.vec_out} x "
                          f"{self.elem} B along {'the output run' if self.flat_out else 'o'}")
-            if self.regs:
-                r = 4 // self.elem
-                p2 = (f"32-bit shared-memory words, {r} x {self.vec_out} blocks transposed in "
-                      f"registers (perm_byte_regs)")
-            elif self.skew_regs:
-                r, d = 4 // self.elem, self.targs[7]
-                p2 = (f"32-bit shared-memory columns of {r} channels, rows skewed {d} a "
-                      f"channel (run of {self.o_dim.size} = {d} mod {self.vec_out}), "
-                      f"interleaved in registers (perm_skew_regs; lanes store "
-                      f"{1 << self.group} words of a channel)")
-            elif self.flat_regs:
-                p2 = (f"16-byte shared-memory row chunks, {self.flat_regs} a block of the "
-                      f"run, interleaved in registers (perm_flat_regs)")
-            else:
-                p2 = f"gathers one {self.elem}-byte element a shared-memory load"
-            lines.append(f"  phase 2            {p2}")
+            lines.append(f"  phase 2            {describe(self)}")
         else:
             w = self.walk
             what = ("copy: the inner dim is contiguous on both sides" if self.kind == "copy"
