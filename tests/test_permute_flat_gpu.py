@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern.families import permute as fam
 from cukern.ops import permute as ops
 from cukern.plan import permute as pp
 
@@ -22,6 +21,8 @@ from .test_permute_flat_cpu import FLAT_CASES, flat_case_plan
 from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compiled first)
     assert_bits,
     check,
+    check_64_bit,
+    clear_launches,
     device_from_raw,
     expected,
     host,
@@ -46,9 +47,7 @@ def _tuning(on: bool, **more):
         real(device), perm_flat_regs=pp.FLAT_SIZES if on else (), **more)
 
 
-def _clear():
-    ops._launches.clear()
-    ops._fresh.clear()
+_clear = clear_launches
 
 
 @pytest.fixture(params=["flat", "gather"])
@@ -190,13 +189,4 @@ def test_64_bit_indices(case, dtype, switch, rng):
     shape, axes = case
     xh, xd = put(rng, shape, dtype)
     p = ops.plan_for(xd, axes)
-    assert p.kind == "tile" and p.index == 32
-    targs = p.targs[:4] + (64,) + p.targs[5:]
-    p64 = dataclasses.replace(p, index=64, targs=targs, kernel=fam._name(targs))
-    assert "long long" in p64.kernel and p64.kernel.endswith(", 3>") == bool(p.flat_regs)
-    assert p64.targs in set(pp.reachable_steps())
-    want = expected(xh, axes)
-    poison(want.nbytes)
-    y = cp.empty(want.shape, xd.dtype)
-    ops.run_plan(p64, xd, y)
-    assert_bits(y, want, p64.kernel)
+    assert check_64_bit(p, xd, xh, axes).kernel.endswith(", 3>") == bool(p.flat_regs)

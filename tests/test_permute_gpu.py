@@ -145,6 +145,48 @@ def put(rng, shape, dtype):
     return xh, device_from_raw(raw(xh), xh.dtype, xh.shape)
 
 
+def clear_launches() -> None:
+    """Empty the op's launch caches (they key on layouts, not tunings)."""
+    from cukern.ops import permute as ops
+
+    ops._launches.clear()
+    ops._fresh.clear()
+
+
+def plan_with(monkeypatch, **fields) -> None:
+    """Plan every permute of the test with the tuning's ``fields`` replaced (the launch caches
+    emptied; empty them again after the test: :func:`clear_launches`)."""
+    import dataclasses
+
+    from cukern.plan import permute as pp
+
+    real = pp.tuning_for
+    monkeypatch.setattr(pp, "tuning_for",
+                        lambda device: dataclasses.replace(real(device), **fields))
+    clear_launches()
+
+
+def check_64_bit(p, xd, xh: np.ndarray, axes):
+    """``p`` (the 32-bit tile plan the op made for xd) launched with 64-bit indices (the
+    instantiations arrays past 2^31 elements run) into poisoned memory; returns that plan."""
+    import dataclasses
+
+    from cukern.families import permute as fam
+    from cukern.ops import permute as ops
+    from cukern.plan import permute as pp
+
+    assert p.kind == "tile" and p.index == 32
+    targs = p.targs[:4] + (64,) + p.targs[5:]
+    p64 = dataclasses.replace(p, index=64, targs=targs, kernel=fam._name(targs))
+    assert "long long" in p64.kernel and p64.targs in set(pp.reachable_steps())
+    want = expected(xh, axes)
+    poison(want.nbytes)
+    y = cp.empty(want.shape, xd.dtype)
+    ops.run_plan(p64, xd, y)
+    assert_bits(y, want, p64.kernel)
+    return p64
+
+
 # ---------------------------------------------------------------------------------------------
 # Shapes and permutations x every element size
 

@@ -14,16 +14,19 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern.families import permute as fam
 from cukern.ops import permute as ops
 from cukern.plan import permute as pp
 
+from .test_permute_flat_gpu import _id
 from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compiled first)
     assert_bits,
     check,
+    check_64_bit,
+    clear_launches,
     device_from_raw,
     expected,
     host,
+    plan_with,
     poison,
     put,
     raw,
@@ -40,31 +43,13 @@ NCHW = (0, 3, 1, 2)
 DTYPES = ["int8", "uint8", "bool", "float16", "bfloat16", "int16", "float32"]
 
 
-def _tuning(on: bool, **more):
-    real = pp.tuning_for
-    return lambda device: dataclasses.replace(
-        real(device), perm_skew_regs=pp.SKEW_SIZES if on else (), **more)
-
-
-def _clear():
-    ops._launches.clear()
-    ops._fresh.clear()
-
-
 @pytest.fixture(params=["skew", "old"])
 def switch(request, monkeypatch):
-    """The planner with perm_skew_regs on (1, 2) or off, for every plan made in the test; the
-    op's launch caches emptied around it (they key on layouts, not tunings)."""
+    """The planner with perm_skew_regs on (1, 2) or off, for every plan made in the test."""
     on = request.param == "skew"
-    monkeypatch.setattr(pp, "tuning_for", _tuning(on))
-    _clear()
+    plan_with(monkeypatch, perm_skew_regs=pp.SKEW_SIZES if on else ())
     yield on
-    _clear()
-
-
-def _id(case) -> str:
-    shape, axes = case
-    return f"{'x'.join(map(str, shape))}-{''.join(map(str, axes))}"
+    clear_launches()
 
 
 def _size(dtype: str) -> int:
@@ -109,13 +94,12 @@ def test_shapes_both_ways(case, dtype, switch, rng):
     ((1, 7, 7, 48), "bfloat16"), ((2, 3, 3, 64), "bfloat16")], ids=str)
 def test_lane_runs(shape, dtype, words, monkeypatch, rng):
     """perm_skew_words other than the default (lanes storing 1, 4, 16 words of a channel)."""
-    monkeypatch.setattr(pp, "tuning_for", _tuning(True, perm_skew_words=words))
-    _clear()
+    plan_with(monkeypatch, perm_skew_regs=pp.SKEW_SIZES, perm_skew_words=words)
     xh, xd = put(rng, shape, dtype)
     p = ops.plan_for(xd, NCHW)
     assert p.skew_regs and p.group == words.bit_length() - 1, str(p)
     check(xd, xh, NCHW)
-    _clear()
+    clear_launches()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float16", "float32"])
@@ -161,7 +145,7 @@ def test_strided_runs_off_the_words(case, dtype, switch, rng):
         "bytes beside out= were written"
     check(xd, xh, (0, 2, 1), out=False)  # and into a fresh contiguous output
     assert_bits(base_d, base_h, "the input after the calls")
-    _clear()
+    clear_launches()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float16"])
@@ -200,13 +184,7 @@ def test_64_bit_indices(case, dtype, switch, rng):
     shape, axes = case
     xh, xd = put(rng, shape, dtype)
     p = ops.plan_for(xd, axes)
-    assert p.kind == "tile" and p.index == 32
-    targs = p.targs[:4] + (64,) + p.targs[5:]
-    p64 = dataclasses.replace(p, index=64, targs=targs, kernel=fam._name(targs))
-    assert "long long" in p64.kernel
-    assert p64.targs in set(pp.reachable_steps())
-    want = expected(xh, axes)
-    poison(want.nbytes)
-    y = cp.empty(want.shape, xd.dtype)
-    ops.run_plan(p64, xd, y)
-    assert_bits(y, want, p64.kernel)
+    takes = {(2, 28, 28, 512): (True, False), (2, 3, 3, 64): (False, True)}.get(shape,
+                                                                                (True, True))
+    assert p.skew_regs == (switch and takes[_size(dtype) - 1]), str(p)
+    check_64_bit(p, xd, xh, axes)
