@@ -166,6 +166,48 @@ def plan_with(monkeypatch, **fields) -> None:
     clear_launches()
 
 
+def out_in_buffer(want: np.ndarray, out_base: int):
+    """(buf, o): ``o`` a view of ``want``'s shape ``out_base`` elements into a device buffer
+    of 16 elements more, o filled with the complement of ``want``'s bytes and the rest with
+    0xA5 (:func:`check_out_buffer`)."""
+    n, item = want.size, want.dtype.itemsize
+    big = np.full((out_base + n + 16, item), 0xA5, np.uint8)
+    big[out_base:out_base + n] = ~raw(want).reshape(n, item)
+    buf = device_from_raw(big, want.dtype, (out_base + n + 16,))
+    return buf, buf[out_base:out_base + n].reshape(want.shape)
+
+
+def check_out_buffer(buf, want: np.ndarray, out_base: int) -> None:
+    """out= of :func:`out_in_buffer` holds ``want``'s bytes, the bytes beside it untouched."""
+    n, item = want.size, want.dtype.itemsize
+    got = raw(host(buf))
+    assert (got[out_base:out_base + n] == raw(want).reshape(n, item)).all(), \
+        "out= holds the wrong bytes"
+    assert (got[:out_base] == 0xA5).all() and (got[out_base + n:] == 0xA5).all(), \
+        "bytes beside out= were written"
+
+
+def put_misaligned(rng, shape, axes, dtype, pad_in: int, pad_out: int):
+    """(xh, xd, want, o, obuf): x of ``shape`` ``pad_in`` elements into its device buffer, out=
+    of the permuted shape ``pad_out`` elements into ``obuf`` (filled with 0x5A before it, the
+    complement of ``want`` in it)."""
+    n = math.prod(shape)
+    flat_h, flat_d = put(rng, (n + pad_in,), dtype)
+    xh, xd = flat_h[pad_in:].reshape(shape), flat_d[pad_in:].reshape(shape)
+    want = expected(xh, axes)
+    junk = np.full((n + pad_out, want.dtype.itemsize), 0x5A, np.uint8)
+    junk[pad_out:] = ~raw(want).reshape(n, -1)
+    obuf = device_from_raw(junk, want.dtype, (n + pad_out,))
+    return xh, xd, want, obuf[pad_out:].reshape(want.shape), obuf
+
+
+def check_misaligned(xd, axes, want: np.ndarray, o, obuf, pad_out: int, kernel: str) -> None:
+    """permute(xd, axes, out=o) of :func:`put_misaligned`: ``want``, nothing before o."""
+    cukern.permute(xd, axes, out=o)
+    assert_bits(o, want, f"misaligned out= ({kernel})")
+    assert (raw(host(obuf))[:pad_out] == 0x5A).all(), "out= wrote before its first element"
+
+
 def check_64_bit(p, xd, xh: np.ndarray, axes):
     """``p`` (the 32-bit tile plan the op made for xd) launched with 64-bit indices (the
     instantiations arrays past 2^31 elements run) into poisoned memory; returns that plan."""
