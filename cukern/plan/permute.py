@@ -163,9 +163,11 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     flat, its dim held whole, where its rows join into one run (input: o's input stride is si;
     output: i's output stride is so), the dim has at most perm_flat_max_bytes, and its rows
     allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd) or are under 32 bytes
-    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts. Both sides flat
-    only where the whole (i, o) plane fits perm_tile_max_bytes. Beside a flat side the other
-    extent fills perm_tile_bytes (at least 16 bytes, at most its dim and perm_tile_max_extent);
+    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts; an output run
+    the skewed columns take (:func:`skew_run`) is flat too where its rows are not whole 32-byte
+    sectors. Both sides flat only where the whole (i, o) plane fits perm_tile_max_bytes.
+    Beside a flat side the other extent fills perm_tile_bytes (at least 16 bytes, 32 or 64
+    beside a skewed-column run, at most its dim and perm_tile_max_extent);
     a short row side leaves the other grown up to perm_tile_bytes. Vectors: the widest the
     pointer, offsets and strides allow, at most the tile's row. Pitch: 4 (mod 8) elements,
     ti + 4 (phase 2's lane groups read distinct banks), si for a flat input. Group:
