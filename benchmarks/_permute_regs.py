@@ -1,8 +1,11 @@
 """bench_permute.py's A/B of the tile kernel's phase 2 switches against the gather of one
 element a shared-memory load: perm_byte_regs (the register transpose of 1- and 2-byte
-elements, output rows) and perm_flat_regs (the interleave of flat output runs of 3-element
-blocks), each by a changed table for the whole run (``--byte-regs``, ``--flat-regs``) or timed
-against the gather in the same rounds (``--ab-byte-regs``, ``--ab-flat-regs``)."""
+elements, output rows), perm_flat_regs (the interleave of flat output runs of 3-element
+blocks) and perm_skew_regs (skewed 32-bit columns of flat output runs of channels: 7x7, 14x14,
+int8 28x28 planes NHWC -> NCHW; off, those plan as before: the gather of 7x7 runs, row tiles
+of the rest), each by a changed table for the whole run (``--byte-regs``, ``--flat-regs``,
+``--skew-regs``) or timed against the plan without it in the same rounds (``--ab-byte-regs``,
+``--ab-flat-regs``, ``--ab-skew-regs``; peer ``gather``)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,13 @@ import argparse
 import dataclasses
 
 __all__ = ["SWITCHES", "force_regs", "force_byte_regs", "sizes_arg", "byte_regs_arg",
-           "flat_regs_arg", "gather_fn", "ab_summary"]
+           "flat_regs_arg", "skew_regs_arg", "add_args", "from_args", "gather_fn",
+           "ab_summary"]
 
 # switch -> (Tuning field, PermutePlan attribute set where the plan takes it, sizes it takes)
 SWITCHES = {"byte": ("perm_byte_regs", "regs", (1, 2)),
-            "flat": ("perm_flat_regs", "flat_regs", (1, 2, 4))}
+            "flat": ("perm_flat_regs", "flat_regs", (1, 2, 4)),
+            "skew": ("perm_skew_regs", "skew_regs", (1, 2))}
 
 
 def force_regs(changes: dict) -> None:
@@ -55,6 +60,41 @@ def sizes_arg(switch: str):
 
 byte_regs_arg = sizes_arg("byte")  # --byte-regs: "none" or sizes among 1 and 2
 flat_regs_arg = sizes_arg("flat")  # --flat-regs: "none" or sizes among 1, 2 and 4
+skew_regs_arg = sizes_arg("skew")  # --skew-regs: "none" or sizes among 1 and 2
+
+_HELP = {"byte": ("element sizes whose tile phase 2 transposes in registers (1,2 / 1 / 2), or "
+                  "none (the gather everywhere)", "transposes in registers"),
+         "flat": ("element sizes whose flat output runs of 3-element blocks interleave (1,2,4 "
+                  "/ ... / none)", "interleaves a flat output run"),
+         "skew": ("element sizes whose flat output runs of channels read skewed columns (1,2 "
+                  "/ 1 / 2 / none: 7x7 runs gathered, 14x14 and int8 28x28 row tiles)",
+                  "reads skewed columns")}
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """``--<switch>-regs SIZES`` and ``--ab-<switch>-regs`` for every switch of SWITCHES."""
+    for key, (field, _, _) in SWITCHES.items():
+        table, where = _HELP[key]
+        ap.add_argument(f"--{key}-regs", type=sizes_arg(key), default=None, metavar="SIZES",
+                        help=f"the tuning's {field} for this run: {table}; default: the "
+                             f"table's")
+        ap.add_argument(f"--ab-{key}-regs", action="store_true",
+                        help=f"also time cukern's plan without it wherever the plan {where}, "
+                             f"interleaved in the same rounds (peer 'gather')")
+    ap.add_argument("--skew-words", type=int, choices=(1, 2, 4, 8, 16), default=None,
+                    help="the tuning's perm_skew_words for this run: consecutive 16-byte words "
+                         "of a channel the skewed columns' lanes store; default: the table's")
+
+
+def from_args(args) -> tuple[dict, tuple[str, ...]]:
+    """(Tuning field -> sizes forced for the run, switches to A/B) from :func:`add_args`'s
+    flags."""
+    changes = {field: getattr(args, f"{key}_regs") for key, (field, _, _) in SWITCHES.items()
+               if getattr(args, f"{key}_regs") is not None}
+    if args.skew_words is not None:
+        changes["perm_skew_words"] = args.skew_words
+    ab = tuple(key for key in SWITCHES if getattr(args, f"ab_{key}_regs"))
+    return changes, ab
 
 
 def gather_fn(xs, outs, axes, switches=("byte",)):

@@ -19,7 +19,7 @@ Host overhead: time per call on a 4x32 float32 array, best of 5 x 1000 calls.
 
     python benchmarks/bench_permute.py [--quick] [--groups ...] [--dtypes ...] [--out DIR]
         [--byte-regs 1,2|1|2|none] [--ab-byte-regs] [--flat-regs 1,2,4|...|none]
-        [--ab-flat-regs] [--tag TAG]
+        [--ab-flat-regs] [--skew-regs 1,2|1|2|none] [--ab-skew-regs] [--tag TAG]
 
 ``--byte-regs`` plans with the tuning's perm_byte_regs set to those element sizes (the tile
 kernel's phase 2 transposing 32-bit shared-memory words in registers; ``none``: the gather of
@@ -28,8 +28,10 @@ one element a load everywhere), for an A/B of the switch; give such a run its ow
 registers, the same plan with the gather (peer ``gather``, interleaved in the same rounds;
 its % of copy on each line, its time in the history row's note). ``--flat-regs`` and
 ``--ab-flat-regs`` do the same for perm_flat_regs (a flat output run of 3-element blocks, C = 3,
-interleaved from 16-byte shared-memory row chunks); both A/B flags together time one gather
-peer wherever either path runs.
+interleaved from 16-byte shared-memory row chunks); ``--skew-regs`` and ``--ab-skew-regs`` for
+perm_skew_regs (flat output runs of channels read in skewed 32-bit columns: 7x7, 14x14 and int8
+28x28 NHWC -> NCHW; its ``gather`` peer is the plan without it: the 7x7 gather, row tiles
+elsewhere); several A/B flags together time one gather peer wherever any of the paths runs.
 
 Writes permute_<gpu>.json and .png, appends a row per shape to history.csv (every run; the
 CuPy peer's time is in the row's note), prints a table and the issue's targets met or missed.
@@ -248,6 +250,7 @@ def _plan(shape, dtype: str, axes) -> tuple[str, str]:
     if variant == "tile" and getattr(plan, "tile", None):
         variant += " {}x{}".format(*plan.tile) + (" regs" if getattr(plan, "regs", False) else "")
         variant += " flat" if getattr(plan, "flat_regs", 0) else ""
+        variant += " skew" if getattr(plan, "skew_regs", False) else ""
     return variant, " ".join(str(plan).split())[:400]
 
 
@@ -445,17 +448,7 @@ def main() -> None:
                     help="peers to time as well (those not installed are skipped), or none")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tag", default="", help="file name tag (default: the GPU, e.g. h100)")
-    ap.add_argument("--byte-regs", type=regs.byte_regs_arg, default=None, metavar="SIZES",
-                    help="the tuning's perm_byte_regs for this run: element sizes whose tile "
-                         "phase 2 transposes in registers (1,2 / 1 / 2), or none (the gather "
-                         "everywhere); default: the table's")
-    ap.add_argument("--ab-byte-regs", action="store_true",
-                    help="also time the gather phase 2 wherever cukern's plan transposes in "
-                         "registers, interleaved in the same rounds (peer 'gather')")
-    ap.add_argument("--flat-regs", type=regs.flat_regs_arg, default=None, metavar="SIZES",
-                    help="the tuning's perm_flat_regs for this run (1,2,4 / ... / none)")
-    ap.add_argument("--ab-flat-regs", action="store_true",
-                    help="as --ab-byte-regs, where the plan interleaves a flat output run")
+    regs.add_args(ap)  # --byte-regs, --ab-byte-regs, --flat-regs, ..., --ab-skew-regs
     args = ap.parse_args()
     groups = [g for g in args.groups.split(",") if g]
     unknown = set(groups) - set(GROUPS)
@@ -467,13 +460,11 @@ def main() -> None:
     if set(peers) - set(PEERS):
         ap.error(f"--peers: expected some of {', '.join(PEERS)} or none")
     reps = args.reps or (10 if args.quick else 30)
-    changes = {f: v for f, v in (("perm_byte_regs", args.byte_regs),
-                                 ("perm_flat_regs", args.flat_regs)) if v is not None}
+    changes, ab = regs.from_args(args)
     forced = ", ".join(f"{f} {v}" for f, v in changes.items())
     if changes:
         regs.force_regs(changes)
         print(f"planning with {forced}", flush=True)
-    ab = tuple(k for k, on in (("byte", args.ab_byte_regs), ("flat", args.ab_flat_regs)) if on)
     spec = DeviceSpec.from_device()
     run = _results.Run(args.out, "permute", spec.name, tag=args.tag, quick=args.quick)
     try:

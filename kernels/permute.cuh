@@ -10,7 +10,7 @@
 //                                 contiguous on both sides (W: a vector of elements, 16 bytes
 //                                 where alignment allows, with a byte tail for one-row copies);
 //                                 the general strided kernel otherwise (W: one element).
-//   permute_tile<T, VI, VO, IDX, REGS, FO>
+//   permute_tile<T, VI, VO, IDX, REGS, FO, SK>
 //                                 a batched 2-D transpose through shared memory: dim i (input
 //                                 stride 1) by dim o (output stride 1) in tiles of ti x to,
 //                                 loaded VI elements a word along i, stored VO a word along o;
@@ -22,6 +22,9 @@
 //                                 and transposes them in registers. FO (a flat output run
 //                                 of blocks of FO = 3 elements, 16-byte stores): phase 2
 //                                 reads 16-byte row chunks and interleaves them in registers.
+//                                 SK (1- and 2-byte elements, a flat output run of channels
+//                                 of L = SK (mod VO) elements, 16-byte stores): phase 2 reads
+//                                 32-bit columns over rows skewed SK a channel.
 //
 // IDX is int where every offset and count fits in 31 bits, long long past that. Divisions by
 // run-time sizes use FastDiv (quotients of n < 2^31); 64-bit kernels divide natively only where
@@ -173,7 +176,8 @@ __global__ void __launch_bounds__(perm::kThreads)
 // stores it along the output row (or the flat output run). Phase 2 lanes take 2^group adjacent
 // o-words of one row (32 bytes: whole sectors), then the next rows. REGS: phase 2 reads whole
 // 32-bit words of shared memory instead (perm::store_regs); FO, 16-byte row chunks of a flat
-// output run of FO-element blocks (perm::store_flat).
+// output run of FO-element blocks (perm::store_flat); SK, skewed 32-bit columns of a flat output
+// run of channels (perm::store_skew).
 struct PermuteTileArgs {
   perm::Batch batch;            // every dim but i and o
   long long in_base, out_base;  // element offsets of the first element visited
@@ -343,9 +347,130 @@ __device__ __forceinline__ void store_flat(const T* s, T* __restrict__ yb, const
   }
 }
 
+// Rows of the column before (channel c0 - 1) an item of perm::store_skew reads: the largest
+// offset b = (c0 * L) mod VO of a column's first word, VO - gcd(R * D, VO) (0 where R * D is a
+// multiple of VO: every column starts on a word).
+__host__ __device__ constexpr int skew_gcd(int a, int b) {
+  return b == 0 ? a : skew_gcd(b, a % b);
+}
+__host__ __device__ constexpr int skew_spill(int elem, int d) {
+  return (4 / elem) * d % (16 / elem) == 0 ? 0
+                                           : 16 / elem - skew_gcd((4 / elem) * d, 16 / elem);
+}
+
+// Channel j's word of a perm::store_skew item from its NS row words w (and, for j = 0, NA
+// words sp of the column before): element m is at slot q = m + (R - 1 - j) D, byte (or
+// half-word) j of w[q], or of the channel before where q < ns (row < 0): byte j - 1 of w[q],
+// byte R - 1 of sp[m] for j = 0. ns = 0 (a literal) makes every selector a constant.
+template <typename T, int VO, int D, int NS, int NA>
+__device__ __forceinline__ Vec<T, VO, 4> skew_word(const unsigned (&w)[NS],
+                                                   const unsigned (&sp)[NA > 0 ? NA : 1], int j,
+                                                   int ns) {
+  constexpr int R = 4 / int(sizeof(T));
+  Vec<T, VO, 4> v;
+#pragma unroll
+  for (int m4 = 0; m4 < 4; ++m4) {
+    unsigned src[R];
+    int sel[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int m = m4 * R + r;
+      const int q = m + (R - 1 - j) * D;
+      const bool neg = q < ns;
+      if (j == 0 && m < NA && neg) {
+        src[r] = sp[m < NA ? m : 0];
+        sel[r] = R - 1;
+      } else {
+        src[r] = w[q];
+        sel[r] = neg ? j - 1 : j;
+      }
+    }
+    if constexpr (R == 4) {
+      const unsigned lo = __byte_perm(src[0], src[1], unsigned(sel[0] | (sel[1] + 4) << 4));
+      const unsigned hi = __byte_perm(src[2], src[3], unsigned(sel[2] | (sel[3] + 4) << 4));
+      v.u[m4] = __byte_perm(lo, hi, 0x5410);
+    } else {
+      const unsigned h0 = unsigned(2 * sel[0]), h1 = unsigned(2 * sel[1] + 4);
+      v.u[m4] = __byte_perm(src[0], src[1], h0 | (h0 + 1) << 4 | h1 << 8 | (h1 + 1) << 12);
+    }
+  }
+  return v;
+}
+
+// Phase 2 of permute_tile<..., SK = D> (1- and 2-byte elements, a flat output run of channels
+// of L = so >= VO elements with L mod VO = D in {0, 1, 4}, 16-byte stores, tile rows 4 (mod 8)
+// elements apart): the run of the tile is ti_e channels of L elements; channel c's words are
+// w = floor(c L / VO) + k for k < floor((c + 1) L / VO) - floor(c L / VO) (the word holding
+// the channel's first element is the channel's, whatever of channel c - 1 it holds). An item
+// (column u: channels c0 = u R .. c0 + R - 1, one 32-bit shared-memory word a row; k) makes
+// word k of each of its R channels: channel j's word starts at row k VO - b - j D
+// (b = c0 L mod VO; (R - 1) D < gcd(R D, VO) keeps b + j D under VO), so the R words read
+// NS = VO + (R - 1) D rows of the column (one 32-bit load each, shared by the R channels)
+// where a gather reads VO elements a word. A negative row is channel c - 1's row + L: the same
+// column (byte j - 1), or for j = 0 the column before (byte R - 1, NA loads). Lanes take items
+// in runs of 2^group consecutive k (2^group words of a channel's run a store), then the next
+// column, then the next run (k fastest alone would put a warp's rows VO apart: 2 banks a
+// load). y0: the output offset of the tile's run.
+template <typename T, int VO, int D, typename IDX>
+__device__ __forceinline__ void store_skew(const T* s, T* __restrict__ yb, const PermuteTileArgs& a,
+                                           int ti_e, IDX y0) {
+  constexpr int E = sizeof(T);
+  constexpr int R = 4 / E;
+  constexpr int NS = VO + (R - 1) * D;
+  constexpr int NA = skew_spill(E, D);
+  static_assert(E <= 2 && VO * E == 16, "SK: 1- or 2-byte elements, 16-byte words");
+  static_assert((R - 1) * D < skew_gcd(R * D, VO), "SK: b + j D stays under VO");
+  const int L = int(a.so);
+  const int n_out = ti_e * L;
+  const int nu = a.ti / R;  // columns
+  const int K = L / VO + 1;  // the most words a channel owns
+  const int gk = a.group;  // log2 of the consecutive k lanes take
+  const int items = (nu * ((K + (1 << gk) - 1) >> gk)) << gk;
+  const int pw = a.pitch / R;  // the pitch in 32-bit words
+  const unsigned* s32 = reinterpret_cast<const unsigned*>(s);
+  for (int it = threadIdx.x; it < items; it += blockDim.x) {
+    const int pr = it >> gk;
+    const int kb = pr / nu;
+    const int u = pr - kb * nu;
+    const int k = (kb << gk) + (it & ((1 << gk) - 1));
+    const int c0 = u * R;
+    const int b = NA > 0 ? (c0 * L) & (VO - 1) : 0;  // NA = 0: every column starts on a word
+    const int t0 = k * VO - b - (R - 1) * D;  // the row of slot 0
+    const int ns = t0 < 0 ? -t0 : 0;          // slots before row 0
+    unsigned w[NS];
+#pragma unroll
+    for (int q = 0; q < NS; ++q) {
+      const int t = t0 + q < 0 ? t0 + q + L : t0 + q;
+      w[q] = t < L ? s32[t * pw + u] : 0u;  // rows past L: no word of the item reads them
+    }
+    unsigned sp[NA > 0 ? NA : 1];  // j = 0 before its row 0: the column before, byte R - 1
+#pragma unroll
+    for (int m = 0; m < NA; ++m)
+      sp[m] = m < ns - (R - 1) * D ? s32[(t0 + (R - 1) * D + m + L) * pw + u - 1] : 0u;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int c = c0 + j;
+      const int wc = (c * L) / VO;  // the channel's first word
+      const int g = wc + k;
+      if (k >= ((c + 1) * L) / VO - wc || g * VO >= n_out) continue;  // not the channel's
+      // items of rows from 0 (all but a channel's first word) select bytes known at compile time
+      const Vec<T, VO, 4> v = ns == 0 ? skew_word<T, VO, D, NS, NA>(w, sp, j, 0)
+                                      : skew_word<T, VO, D, NS, NA>(w, sp, j, ns);
+      T* d = yb + y0 + IDX(g) * VO;
+      if ((g + 1) * VO <= n_out) {
+        *reinterpret_cast<uint4*>(d) = v.w;
+      } else {
+#pragma unroll
+        for (int x = 0; x < VO; ++x)
+          if (g * VO + x < n_out) d[x] = v.e[x];
+      }
+    }
+  }
+}
+
 }  // namespace perm
 
-template <typename T, int VI, int VO, typename IDX, bool REGS = false, int FO = 0>
+template <typename T, int VI, int VO, typename IDX, bool REGS = false, int FO = 0, int SK = -1>
 __global__ void __launch_bounds__(perm::kThreads)
     permute_tile(const T* __restrict__ x, T* __restrict__ y, const PermuteTileArgs a) {
   constexpr int E = sizeof(T);
@@ -425,6 +550,11 @@ __global__ void __launch_bounds__(perm::kThreads)
 
     if constexpr (REGS) {  // words of shared memory, transposed in registers
       perm::store_regs<T, VO, IDX>(s, yb, a, ti_e, to_e, ob + i0 * i_out + o0, i_out);
+      __syncthreads();
+      continue;
+    }
+    if constexpr (SK >= 0) {  // a flat run of channels: skewed 32-bit columns in registers
+      perm::store_skew<T, VO, SK, IDX>(s, yb, a, ti_e, ob + i0 * so);
       __syncthreads();
       continue;
     }

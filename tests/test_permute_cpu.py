@@ -350,13 +350,14 @@ def test_reachable_covers_planner_output():
     reach = set(pp.reachable_steps())
     # rows; tiles of 1, 2, 4, 8, 16 bytes; the register phase 2 of 1- and 2-byte elements
     # (words of 4, 8, 16 bytes both ways); the flat-run interleave of 1-, 2- and 4-byte
-    # elements (loads of 4, 8, 16 bytes, 16-byte stores); 32- and 64-bit
-    assert len(reach) == 2 * (5 + 25 + 16 + 9 + 4 + 1 + 9 + 9 + 9)
+    # elements (loads of 4, 8, 16 bytes, 16-byte stores); the skewed columns of 1- and 2-byte
+    # elements (16-byte words, D = 0, 1, 4); 32- and 64-bit
+    assert len(reach) == 2 * (5 + 25 + 16 + 9 + 4 + 1 + 9 + 9 + 9 + 6)
     names = fam.kernel_names("permute")("float16")
     assert names == {fam._name(t) for t in reach}
     rnd = random.Random(7)
     seen = set()
-    off = dataclasses.replace(HOPPER, perm_byte_regs=(), perm_flat_regs=())
+    off = dataclasses.replace(HOPPER, perm_byte_regs=(), perm_flat_regs=(), perm_skew_regs=())
     for k in range(400):
         nd = rnd.randint(1, 5)
         shape = tuple(rnd.choice((1, 2, 3, 7, 8, 16, 49, 64, 200)) for _ in range(nd))
@@ -369,7 +370,7 @@ def test_reachable_covers_planner_output():
                  out_align=rnd.choice((1, 2, 4, 8, 16)), tuning=off if k % 2 else None)
         assert p.targs in reach and p.kernel == fam._name(p.targs)
         seen.add((p.kind, p.regs, p.flat_regs))
-        assert not (k % 2 and (p.regs or p.flat_regs))
+        assert not (k % 2 and (p.regs or p.flat_regs or p.skew_regs))
     assert {k for k, _, _ in seen} == set(pp.KINDS) and ("tile", True, 0) in seen
 
 
@@ -473,7 +474,7 @@ def test_every_reachable_instantiation_compiles(arch):
     names = registry.kernel_names(["permute"], ["int8"], device)["permute"]
     missing = [n for n in names if not lowered.get(n)]
     assert not missing, missing[:3]
-    assert len(names) == 174 and sum(n.endswith(", true>") for n in names) == 36
+    assert len(names) == 186 and sum(n.endswith(", true>") for n in names) == 36
     assert sum(n.endswith(", false, 3>") for n in names) == 18
 
 
@@ -543,7 +544,7 @@ def test_registry_entry():
     assert spec.reference is reference.permute and spec.fn is cukern.permute
     assert spec.signature is fam.name_expression
     names = registry.kernel_names(["permute"], ["float32", "int8"], H100)
-    assert set(names) == {"permute"} and len(names["permute"]) == 174
+    assert set(names) == {"permute"} and len(names["permute"]) == 186
     assert registry.get("permute").cli_name == "permute"
 
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern.families import permute as fam
 from cukern.ops import permute as ops
 from cukern.plan import permute as pp
 
@@ -22,11 +21,17 @@ from .test_permute_flat_cpu import FLAT_CASES, flat_case_plan
 from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compiled first)
     assert_bits,
     check,
+    check_64_bit,
+    check_misaligned,
+    check_out_buffer,
+    clear_launches,
     device_from_raw,
     expected,
     host,
+    out_in_buffer,
     poison,
     put,
+    put_misaligned,
     raw,
     warm_permute,
 )
@@ -46,9 +51,7 @@ def _tuning(on: bool, **more):
         real(device), perm_flat_regs=pp.FLAT_SIZES if on else (), **more)
 
 
-def _clear():
-    ops._launches.clear()
-    ops._fresh.clear()
+_clear = clear_launches
 
 
 @pytest.fixture(params=["flat", "gather"])
@@ -132,11 +135,7 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
     base_h, base_d = put(rng, (b, 3, o_in), dtype)
     xh, xd = base_h[:, :, :si], base_d[:, :, :si]
     want = expected(xh, (0, 2, 1))
-    n = b * si * 3
-    big = np.full((out_base + n + 16, item), 0xA5, np.uint8)
-    big[out_base:out_base + n] = ~raw(want).reshape(n, item)
-    buf = device_from_raw(big, want.dtype, (out_base + n + 16,))
-    o = buf[out_base:out_base + n].reshape(b, si, 3)
+    buf, o = out_in_buffer(want, out_base)
     p = ops.plan_for(xd, (0, 2, 1), out=o)
     ref = flat_case_plan(case, dataclasses.replace(
         pp.tuning_for(None), perm_flat_regs=pp.FLAT_SIZES if switch else ()))
@@ -144,11 +143,7 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
         (ref.targs, ref.tile, ref.pitch, 3 if switch else 0), str(p)
     r = cukern.permute(xd, (0, 2, 1), out=o)
     assert r.data.ptr == o.data.ptr
-    got = raw(host(buf))
-    assert (got[out_base:out_base + n] == raw(want).reshape(n, item)).all(), \
-        "out= holds the wrong bytes"
-    assert (got[:out_base] == 0xA5).all() and (got[out_base + n:] == 0xA5).all(), \
-        "bytes beside out= were written"
+    check_out_buffer(buf, want, out_base)
     check(xd, xh, (0, 2, 1), out=False)  # and into a fresh contiguous output
     assert_bits(base_d, base_h, "the input after the calls")
     _clear()
@@ -160,24 +155,15 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
 def test_misaligned_pointers(offset, side, dtype, switch, rng):
     """C = 3 images with the input or the output ``offset`` elements into its buffer: the path
     where the stores stay 16 bytes and the loads 4 or more, the gather elsewhere."""
-    shape, axes = (2, 3, 32, 32), NHWC
-    n = int(np.prod(shape))
+    axes = NHWC
     pad_in = offset if side == "in" else 0
     pad_out = offset if side == "out" else 0
-    flat_h, flat_d = put(rng, (n + pad_in,), dtype)
-    xh, xd = flat_h[pad_in:].reshape(shape), flat_d[pad_in:].reshape(shape)
-    want = expected(xh, axes)
+    _, xd, want, o, obuf = put_misaligned(rng, (2, 3, 32, 32), axes, dtype, pad_in, pad_out)
     item = want.dtype.itemsize
-    junk = np.full((n + pad_out, item), 0x5A, np.uint8)
-    junk[pad_out:] = ~raw(want).reshape(n, -1)
-    obuf = device_from_raw(junk, want.dtype, (n + pad_out,))
-    o = obuf[pad_out:].reshape(want.shape)
     p = ops.plan_for(xd, axes, out=o)
     path = switch and (pad_out * item) % 16 == 0 and (pad_in * item) % 4 == 0
     assert (p.flat_regs == 3) == path, str(p)
-    cukern.permute(xd, axes, out=o)
-    assert_bits(o, want, f"misaligned out= ({p.kernel})")
-    assert (raw(host(obuf))[:pad_out] == 0x5A).all(), "out= wrote before its first element"
+    check_misaligned(xd, axes, want, o, obuf, pad_out, p.kernel)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bool", "float16", "float32"])
@@ -190,13 +176,4 @@ def test_64_bit_indices(case, dtype, switch, rng):
     shape, axes = case
     xh, xd = put(rng, shape, dtype)
     p = ops.plan_for(xd, axes)
-    assert p.kind == "tile" and p.index == 32
-    targs = p.targs[:4] + (64,) + p.targs[5:]
-    p64 = dataclasses.replace(p, index=64, targs=targs, kernel=fam._name(targs))
-    assert "long long" in p64.kernel and p64.kernel.endswith(", 3>") == bool(p.flat_regs)
-    assert p64.targs in set(pp.reachable_steps())
-    want = expected(xh, axes)
-    poison(want.nbytes)
-    y = cp.empty(want.shape, xd.dtype)
-    ops.run_plan(p64, xd, y)
-    assert_bits(y, want, p64.kernel)
+    assert check_64_bit(p, xd, xh, axes).kernel.endswith(", 3>") == bool(p.flat_regs)

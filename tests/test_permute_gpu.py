@@ -145,6 +145,90 @@ def put(rng, shape, dtype):
     return xh, device_from_raw(raw(xh), xh.dtype, xh.shape)
 
 
+def clear_launches() -> None:
+    """Empty the op's launch caches (they key on layouts, not tunings)."""
+    from cukern.ops import permute as ops
+
+    ops._launches.clear()
+    ops._fresh.clear()
+
+
+def plan_with(monkeypatch, **fields) -> None:
+    """Plan every permute of the test with the tuning's ``fields`` replaced (the launch caches
+    emptied; empty them again after the test: :func:`clear_launches`)."""
+    import dataclasses
+
+    from cukern.plan import permute as pp
+
+    real = pp.tuning_for
+    monkeypatch.setattr(pp, "tuning_for",
+                        lambda device: dataclasses.replace(real(device), **fields))
+    clear_launches()
+
+
+def out_in_buffer(want: np.ndarray, out_base: int):
+    """(buf, o): ``o`` a view of ``want``'s shape ``out_base`` elements into a device buffer
+    of 16 elements more, o filled with the complement of ``want``'s bytes and the rest with
+    0xA5 (:func:`check_out_buffer`)."""
+    n, item = want.size, want.dtype.itemsize
+    big = np.full((out_base + n + 16, item), 0xA5, np.uint8)
+    big[out_base:out_base + n] = ~raw(want).reshape(n, item)
+    buf = device_from_raw(big, want.dtype, (out_base + n + 16,))
+    return buf, buf[out_base:out_base + n].reshape(want.shape)
+
+
+def check_out_buffer(buf, want: np.ndarray, out_base: int) -> None:
+    """out= of :func:`out_in_buffer` holds ``want``'s bytes, the bytes beside it untouched."""
+    n, item = want.size, want.dtype.itemsize
+    got = raw(host(buf))
+    assert (got[out_base:out_base + n] == raw(want).reshape(n, item)).all(), \
+        "out= holds the wrong bytes"
+    assert (got[:out_base] == 0xA5).all() and (got[out_base + n:] == 0xA5).all(), \
+        "bytes beside out= were written"
+
+
+def put_misaligned(rng, shape, axes, dtype, pad_in: int, pad_out: int):
+    """(xh, xd, want, o, obuf): x of ``shape`` ``pad_in`` elements into its device buffer, out=
+    of the permuted shape ``pad_out`` elements into ``obuf`` (filled with 0x5A before it, the
+    complement of ``want`` in it)."""
+    n = math.prod(shape)
+    flat_h, flat_d = put(rng, (n + pad_in,), dtype)
+    xh, xd = flat_h[pad_in:].reshape(shape), flat_d[pad_in:].reshape(shape)
+    want = expected(xh, axes)
+    junk = np.full((n + pad_out, want.dtype.itemsize), 0x5A, np.uint8)
+    junk[pad_out:] = ~raw(want).reshape(n, -1)
+    obuf = device_from_raw(junk, want.dtype, (n + pad_out,))
+    return xh, xd, want, obuf[pad_out:].reshape(want.shape), obuf
+
+
+def check_misaligned(xd, axes, want: np.ndarray, o, obuf, pad_out: int, kernel: str) -> None:
+    """permute(xd, axes, out=o) of :func:`put_misaligned`: ``want``, nothing before o."""
+    cukern.permute(xd, axes, out=o)
+    assert_bits(o, want, f"misaligned out= ({kernel})")
+    assert (raw(host(obuf))[:pad_out] == 0x5A).all(), "out= wrote before its first element"
+
+
+def check_64_bit(p, xd, xh: np.ndarray, axes):
+    """``p`` (the 32-bit tile plan the op made for xd) launched with 64-bit indices (the
+    instantiations arrays past 2^31 elements run) into poisoned memory; returns that plan."""
+    import dataclasses
+
+    from cukern.families import permute as fam
+    from cukern.ops import permute as ops
+    from cukern.plan import permute as pp
+
+    assert p.kind == "tile" and p.index == 32
+    targs = p.targs[:4] + (64,) + p.targs[5:]
+    p64 = dataclasses.replace(p, index=64, targs=targs, kernel=fam._name(targs))
+    assert "long long" in p64.kernel and p64.targs in set(pp.reachable_steps())
+    want = expected(xh, axes)
+    poison(want.nbytes)
+    y = cp.empty(want.shape, xd.dtype)
+    ops.run_plan(p64, xd, y)
+    assert_bits(y, want, p64.kernel)
+    return p64
+
+
 # ---------------------------------------------------------------------------------------------
 # Shapes and permutations x every element size
 

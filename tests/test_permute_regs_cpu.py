@@ -24,6 +24,9 @@ from .test_permute_cpu import NCHW, NHWC, _wavefronts, plan
 
 H100 = DeviceSpec.h100()
 OFF = dataclasses.replace(HOPPER, perm_byte_regs=())
+# NHWC -> NCHW runs of 196 and 784 int8 bytes go flat to the skewed columns
+# (tests/test_permute_skew_cpu.py); without them, row tiles of this phase 2
+ROWS = dataclasses.replace(HOPPER, perm_skew_regs=())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,11 +40,13 @@ OFF = dataclasses.replace(HOPPER, perm_byte_regs=())
     ((64, 1024, 14, 14), NHWC, 2, 8), ((8, 64, 16, 56, 56), (0, 2, 3, 4, 1), 1, 16),
 ])
 def test_register_transpose_is_planned(shape, axes, item, vo):
-    p = plan(shape, axes, item)
+    rows = axes == NCHW and item == 1
+    p = plan(shape, axes, item, tuning=ROWS if rows else None)
     assert p.kind == "tile" and p.regs and not p.flat_out and p.vec_out == vo
     assert p.targs[5] is True and p.kernel.endswith(", true>")
     assert p.targs in set(pp.reachable_steps())
-    q = plan(shape, axes, item, tuning=OFF)  # the switch off: the same plan, the gather
+    q = plan(shape, axes, item, tuning=dataclasses.replace(ROWS if rows else HOPPER,
+                                                           perm_byte_regs=()))  # the gather
     assert not q.regs and q.kernel == p.kernel.replace(", true>", ">")
     assert dataclasses.replace(q, regs=True, targs=p.targs, kernel=p.kernel) == p
 
@@ -60,7 +65,7 @@ def test_gather_is_kept(shape, axes, item, why):
     p = plan(shape, axes, item)
     assert p.kind == "tile" and not p.regs, why
     assert not p.kernel.endswith(", true>")
-    assert "gathers one" in str(p) or p.flat_regs  # tests/test_permute_flat_cpu.py
+    assert "gathers one" in str(p) or p.flat_regs or p.skew_regs  # the other register paths
 
 
 def test_only_the_sizes_in_the_tuning():
@@ -252,7 +257,7 @@ def test_register_loads_without_bank_conflicts(shape, axes, item):
     """Every warp of the benchmark shapes' row tiles reads 32 distinct banks for each o; in a
     flat input run of 196 (49 items along i) a warp across the end of one row group meets the
     next group's lanes on a bank or two (2 wavefronts), at most once every 49 items."""
-    p = plan(shape, axes, item)
+    p = plan(shape, axes, item, tuning=ROWS)
     assert p.regs
     items = p.tile[0] // (4 // item) * (p.tile[1] // p.vec_out)
     waves = [_wavefronts(_regs_addresses(p, j, first), 4)

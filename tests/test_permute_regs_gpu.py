@@ -15,16 +15,18 @@ import numpy as np
 import pytest
 
 import cukern
-from cukern.families import permute as fam
 from cukern.ops import permute as ops
 from cukern.plan import permute as pp
 
 from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compiled first)
     assert_bits,
     check,
+    check_64_bit,
+    clear_launches,
     device_from_raw,
     expected,
     host,
+    plan_with,
     poison,
     put,
     raw,
@@ -42,16 +44,11 @@ ONE_BYTE = ["int8", "uint8", "bool"]
 @pytest.fixture(params=["regs", "gather"])
 def switch(request, monkeypatch):
     """The planner with perm_byte_regs on (both sizes) or off, for every plan made in the
-    test; the op's launch caches emptied around it (they key on layouts, not tunings)."""
+    test (perm_skew_regs off: 14x14 and 28x28 planes to NCHW as row tiles, this path's)."""
     sizes = pp.REGS_SIZES if request.param == "regs" else ()
-    real = pp.tuning_for
-    monkeypatch.setattr(pp, "tuning_for", lambda device: dataclasses.replace(
-        real(device), perm_byte_regs=sizes))
-    ops._launches.clear()
-    ops._fresh.clear()
+    plan_with(monkeypatch, perm_byte_regs=sizes, perm_skew_regs=())
     yield request.param == "regs"
-    ops._launches.clear()
-    ops._fresh.clear()
+    clear_launches()
 
 
 SHAPES = [
@@ -181,12 +178,4 @@ def test_64_bit_indices(case, dtype, switch, rng):
     shape, axes = case
     xh, xd = put(rng, shape, dtype)
     p = _plan_agrees(xd, axes, switch)
-    assert p.kind == "tile" and p.index == 32
-    targs = p.targs[:4] + (64,) + p.targs[5:]
-    p64 = dataclasses.replace(p, index=64, targs=targs, kernel=fam._name(targs))
-    assert "long long" in p64.kernel and p64.kernel.endswith(", true>") == p.regs
-    want = expected(xh, axes)
-    poison(want.nbytes)
-    y = cp.empty(want.shape, xd.dtype)
-    ops.run_plan(p64, xd, y)
-    assert_bits(y, want, p64.kernel)
+    assert check_64_bit(p, xd, xh, axes).kernel.endswith(", true>") == p.regs

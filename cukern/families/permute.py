@@ -4,11 +4,13 @@ materialised, moved as unsigned words by element size (the dtype does not matter
 Kernel signatures (shapes, strides, tiles and grids come with the launch, in one struct)::
 
     permute_rows<W, IDX>(const W* x, W* y, PermuteRowsArgs)          W: 1..16-byte word
-    permute_tile<T, VI, VO, IDX[, REGS[, FO]]>(const T* x, T* y, PermuteTileArgs)
+    permute_tile<T, VI, VO, IDX[, REGS[, FO[, SK]]]>(const T* x, T* y, PermuteTileArgs)
                                                    T: 1..16-byte element; REGS (true) for
                                                    the register phase 2 of 1- and 2-byte ones,
                                                    FO (3) for a flat output run of 3-element
-                                                   blocks interleaved in registers
+                                                   blocks interleaved in registers, SK (0, 1,
+                                                   4: the run length mod VO) for a flat output
+                                                   run of channels read in skewed columns
 
 IDX: ``int`` or ``long long``. The argument structs are passed by value as size-1 NumPy
 structured arrays (:data:`ROWS_ARGS`, :data:`TILE_ARGS`: the headers' field order with C
@@ -57,9 +59,10 @@ def _name(targs: tuple) -> str:
     if targs[0] == "rows":
         _, word, index = targs
         return f"cukern::permute_rows<{WORD_TYPES[word]}, {_INDEX[index]}>"
-    _, elem, vi, vo, index, regs, fo = targs
-    # REGS and FO default to false and 0: the gather's names stay as they were
-    tail = ", true" if regs else f", false, {fo}" if fo else ""
+    _, elem, vi, vo, index, regs, fo, sk = targs
+    # REGS, FO and SK default to false, 0 and -1: the gather's names stay as they were
+    tail = ", true" if regs else f", false, {fo}" if fo else f", false, 0, {sk}" if sk >= 0 \
+        else ""
     return f"cukern::permute_tile<{WORD_TYPES[elem]}, {vi}, {vo}, {_INDEX[index]}{tail}>"
 
 

@@ -21,7 +21,9 @@ its strides on both sides, element size, pointer alignment and device to a print
      stored in output rows read shared memory in 32-bit words and transpose them in registers
      (``REGS``; the tuning's perm_byte_regs, :func:`byte_regs`); a flat output run of 3-element
      blocks (C = 3) stored in 16-byte words reads 16-byte row chunks and interleaves them in
-     registers (``FO``; the tuning's perm_flat_regs, :func:`flat_regs`);
+     registers (``FO``; the tuning's perm_flat_regs, :func:`flat_regs`); a flat output run of
+     channels of 1- and 2-byte elements (7x7, 14x14 planes NHWC -> NCHW) reads 32-bit columns
+     over skewed rows (``SK``; the tuning's perm_skew_regs, :func:`skew_regs`);
    - ``general``: anything else: ``permute_rows`` over the innermost output dim, an element
      a word.
 
@@ -47,6 +49,18 @@ from .permute_dims import (
     output_dims,
     simplify,
 )
+from .permute_phase2 import (
+    FLAT_RUN,
+    FLAT_SIZES,
+    REGS_SIZES,
+    SKEW_SIZES,
+    SKEWS,
+    byte_regs,
+    describe,
+    flat_regs,
+    skew_regs,
+    skew_run,
+)
 from .policy import Tuning, tuning_for
 
 __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "check_dtype",
@@ -54,7 +68,7 @@ __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "ch
            "c_strides", "output_dims", "simplify", "fold_inner", "merge", "vector_width",
            "tile_shape", "byte_regs", "flat_regs", "index_bits", "fast_div", "plan_permute",
            "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES", "FLAT_SIZES",
-           "FLAT_RUN"]
+           "FLAT_RUN", "SKEW_SIZES", "SKEWS", "skew_run", "skew_regs"]
 
 KINDS = ("copy", "tile", "general")
 TILE_UNROLL = 4  # kernels/permute.cuh: perm::kTileUnroll
@@ -62,9 +76,6 @@ MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
 # 32-bit kernels: offsets and counts stay below this (a tile or row tile may overhang its dim)
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
-REGS_SIZES = (1, 2)  # element sizes permute_tile's REGS phase 2 takes (perm::store_regs)
-FLAT_SIZES = (1, 2, 4)  # element sizes permute_tile's FO phase 2 takes (perm::store_flat)
-FLAT_RUN = 3  # the block a flat output run is made of there (FO: C = 3)
 
 
 def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
@@ -152,9 +163,11 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     flat, its dim held whole, where its rows join into one run (input: o's input stride is si;
     output: i's output stride is so), the dim has at most perm_flat_max_bytes, and its rows
     allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd) or are under 32 bytes
-    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts. Both sides flat
-    only where the whole (i, o) plane fits perm_tile_max_bytes. Beside a flat side the other
-    extent fills perm_tile_bytes (at least 16 bytes, at most its dim and perm_tile_max_extent);
+    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts; an output run
+    the skewed columns take (:func:`skew_run`) is flat too where its rows are not whole 32-byte
+    sectors. Both sides flat only where the whole (i, o) plane fits perm_tile_max_bytes.
+    Beside a flat side the other extent fills perm_tile_bytes (at least 16 bytes, 32 or 64
+    beside a skewed-column run, at most its dim and perm_tile_max_extent);
     a short row side leaves the other grown up to perm_tile_bytes. Vectors: the widest the
     pointer, offsets and strides allow, at most the tile's row. Pitch: 4 (mod 8) elements,
     ti + 4 (phase 2's lane groups read distinct banks), si for a flat input. Group:
@@ -171,10 +184,15 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     short = tuning.perm_flat_max_bytes
     fin = (o.in_stride == si and si * elem <= short and (vi_row < vi_flat or si * elem < 32))
     # a long flat output run only where rows would store words under 8 bytes (2-byte and
-    # wider elements): its phase 2 gathers element by element
+    # wider elements): its phase 2 gathers element by element; or where the skewed columns
+    # take it (perm_skew_regs) and rows would split 32-byte sectors between tiles
     long_ok = so * elem <= tuning.perm_flat_out_max_bytes or (elem > 1 and vo_row * elem < 8)
     fout = (i.out_stride == so and so * elem <= short and long_ok
             and (vo_row < vo_flat or so * elem < 32))
+    skew = (not fin and i.out_stride == so and so * elem <= short
+            and skew_run(so, elem, vi_row, vo_flat, tuning) >= 0)
+    if not fout and skew and (so * elem) % 32:
+        fout = True
     if fin and fout and si * so * elem > cap:
         fin, fout = (True, False) if si <= so else (False, True)
     ti = si if fin else min(ti0, _p2ceil(si))
@@ -182,8 +200,11 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     area, ext, lo = tuning.perm_tile_bytes, tuning.perm_tile_max_extent, 16 // elem
     if fin and not fout:  # a whole i: o as long as the area allows
         to = min(max(_p2floor(area // (si * elem)), lo), _p2ceil(so), ext)
-    elif fout and not fin:  # a whole o: i as long as the area allows
-        ti = min(max(_p2floor(area // (so * elem)), lo), _p2ceil(si), ext)
+    elif fout and not fin:  # a whole o: i as long as the area allows (skewed columns: tile
+        # rows of whole 32-byte sectors, as phase 1 loads them, and 16 columns where they fit:
+        # a warp's loads on distinct banks)
+        lo_i = lo if not skew else 64 // elem if 64 * so <= cap else 32 // elem
+        ti = min(max(_p2floor(area // (so * elem)), lo_i), _p2ceil(si), ext)
     elif not fin and not fout:
         if ti < ti0:  # a short i: grow o
             to = max(to, min(_p2floor(area // (ti * elem)), _p2ceil(so), ext))
@@ -207,31 +228,6 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
         g = min(max(1, 32 // (vo * elem)), to // vo)
         group = g.bit_length() - 1
     return TileShape(ti, to, fin, fout, vi, vo, pitch, group)
-
-
-def byte_regs(shape: TileShape, elem: int, tuning: Tuning) -> bool:
-    """Whether the tile's phase 2 transposes 32-bit words of shared memory in registers
-    (``permute_tile<..., REGS = true>``): ``elem`` in the tuning's perm_byte_regs (1 or 2
-    bytes), output rows (a flat output run is gathered), tile rows in shared memory 4 (mod 8)
-    elements apart (rows; a flat input run of such a length, as HW = 196: 4-byte aligned
-    words, lanes on distinct banks; HW = 49 or C = 3 keep the gather) and words of at least 4
-    bytes both ways (narrower ones keep the gather: fewer instantiations)."""
-    return (elem in tuning.perm_byte_regs and not shape.flat_out and shape.pitch % 8 == 4
-            and shape.vec_in * elem >= 4 and shape.vec_out * elem >= 4)
-
-
-def flat_regs(shape: TileShape, i: Dim, o: Dim, elem: int, tuning: Tuning) -> int:
-    """FO of ``permute_tile<..., FO>``: FLAT_RUN where the tile's phase 2 interleaves 16-byte
-    row chunks of shared memory in registers (perm::store_flat), else 0 (the gather):
-    ``elem`` in the tuning's perm_flat_regs (1, 2 or 4 bytes), a flat output run of blocks of
-    FLAT_RUN elements (o of that size: C = 3), stores of 16 bytes, loads of at least 4 (fewer
-    instantiations), and rows of shared memory 16-byte aligned: row tiles (the plan's pitch
-    becomes ti) or a flat input run of a multiple of the store's elements."""
-    ok = (elem in tuning.perm_flat_regs and shape.flat_out and o.size == FLAT_RUN
-          and shape.vec_out * elem == 16 and shape.vec_in * elem >= 4
-          and shape.ti % shape.vec_out == 0
-          and (not shape.flat_in or i.size % shape.vec_out == 0))
-    return FLAT_RUN if ok else 0
 
 
 def index_bits(dims, *counts) -> int:
@@ -279,6 +275,7 @@ class PermutePlan:
     flat_out: bool = False
     regs: bool = False  # phase 2 transposes 32-bit shared-memory words in registers
     flat_regs: int = 0  # FO: phase 2 interleaves 16-byte row chunks of a flat output run
+    skew_regs: bool = False  # SK: phase 2 reads 32-bit columns of a flat run over skewed rows
     pitch: int = 0
     group: int = 0
     smem: int = 0
@@ -324,16 +321,7 @@ class PermutePlan:
             lines.append(f"  vectors            loads {self.vec_in} x {self.elem} B along "
                          f"{'the input run' if self.flat_in else 'i'}, stores {self.vec_out} x "
                          f"{self.elem} B along {'the output run' if self.flat_out else 'o'}")
-            if self.regs:
-                r = 4 // self.elem
-                p2 = (f"32-bit shared-memory words, {r} x {self.vec_out} blocks transposed in "
-                      f"registers (perm_byte_regs)")
-            elif self.flat_regs:
-                p2 = (f"16-byte shared-memory row chunks, {self.flat_regs} a block of the "
-                      f"run, interleaved in registers (perm_flat_regs)")
-            else:
-                p2 = f"gathers one {self.elem}-byte element a shared-memory load"
-            lines.append(f"  phase 2            {p2}")
+            lines.append(f"  phase 2            {describe(self)}")
         else:
             w = self.walk
             what = ("copy: the inner dim is contiguous on both sides" if self.kind == "copy"
@@ -387,6 +375,11 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
     if not set(tuning.perm_flat_regs) <= set(FLAT_SIZES):
         raise ValueError(f"plan: perm_flat_regs {tuning.perm_flat_regs}: the flat-run "
                          f"interleave takes element sizes {FLAT_SIZES}")
+    if tuning.perm_skew_words not in (1, 2, 4, 8, 16):
+        raise ValueError(f"plan: perm_skew_words {tuning.perm_skew_words}: 1, 2, 4, 8 or 16")
+    if not set(tuning.perm_skew_regs) <= set(SKEW_SIZES):
+        raise ValueError(f"plan: perm_skew_regs {tuning.perm_skew_regs}: the skewed-column "
+                         f"phase 2 takes element sizes {SKEW_SIZES}")
     ia, oa = _align(in_align), _align(out_align)
     dims, elem, in_base, out_base = fold_inner(simple.dims, itemsize, ia, oa,
                                                simple.in_offset, simple.out_offset)
@@ -482,30 +475,38 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     grid = _grid(tiles, threads, smem, device, tuning)
     index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
     regs = byte_regs(shape, elem, tuning)
-    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo)
+    sk = skew_regs(shape, o, elem, tuning)
+    if sk >= 0:  # phase 2's lanes: runs of perm_skew_words words of a channel
+        shape = shape._replace(group=tuning.perm_skew_words.bit_length() - 1)
+    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo, sk)
     return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
                        i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
-                       flat_out=shape.flat_out, regs=regs, flat_regs=fo, pitch=shape.pitch,
+                       flat_out=shape.flat_out, regs=regs, flat_regs=fo, skew_regs=sk >= 0,
+                       pitch=shape.pitch,
                        group=shape.group, smem=smem)
 
 
 def reachable_steps() -> list[tuple]:
     """Every kernel's template arguments the planner can produce (any shape, strides,
-    alignment, dtype, perm_byte_regs or perm_flat_regs): rows kernels of every word size, tile
-    kernels of every element size and pair of vector widths up to 16 bytes, for 1- and 2-byte
-    elements those with words of 4 bytes or more both ways again with the register phase 2
-    (18), and for 1-, 2- and 4-byte elements those with loads of 4 bytes or more and 16-byte
-    stores again with the flat-run interleave (9), each with 32- and 64-bit indices."""
+    alignment, dtype, perm_byte_regs, perm_flat_regs or perm_skew_regs): rows kernels of
+    every word size, tile kernels of every element size and pair of vector widths up to 16
+    bytes, for 1- and 2-byte elements those with words of 4 bytes or more both ways again with
+    the register phase 2 (18), for 1-, 2- and 4-byte elements those with loads of 4 bytes or
+    more and 16-byte stores again with the flat-run interleave (9), and for 1- and 2-byte
+    elements those of 16-byte loads and stores with the skewed columns of each D in SKEWS (6),
+    each with 32- and 64-bit indices."""
     out: list[tuple] = []
     for index in (32, 64):
         out += [("rows", w, index) for w in WORDS]
         for e in WORDS:
             vs = [v for v in WORDS if v * e <= 16]
-            out += [("tile", e, vi, vo, index, False, 0) for vi in vs for vo in vs]
+            out += [("tile", e, vi, vo, index, False, 0, -1) for vi in vs for vo in vs]
             ws = [v for v in vs if v * e >= 4]
             if e in REGS_SIZES:
-                out += [("tile", e, vi, vo, index, True, 0) for vi in ws for vo in ws]
+                out += [("tile", e, vi, vo, index, True, 0, -1) for vi in ws for vo in ws]
             if e in FLAT_SIZES:
-                out += [("tile", e, vi, 16 // e, index, False, FLAT_RUN) for vi in ws]
+                out += [("tile", e, vi, 16 // e, index, False, FLAT_RUN, -1) for vi in ws]
+            if e in SKEW_SIZES:
+                out += [("tile", e, 16 // e, 16 // e, index, False, 0, d) for d in SKEWS]
     return out

@@ -180,6 +180,20 @@ class Tuning:
     # element); () gathers there (int8 C = 3 NCHW -> NHWC 56-64% of copy, 16-bit 77-86%).
     # Not yet measured: first choice, all on
     perm_flat_regs: tuple[int, ...] = (1, 2, 4)
+    # element sizes (1, 2) whose tile phase 2 over a flat output run of channels of L
+    # elements, L = 0, 1 or 4 (mod the 16-byte word) (7x7, 14x14 planes, int8 28x28: NHWC ->
+    # NCHW), reads 32-bit shared-memory columns of 4 / E channels over rows skewed L mod VO a
+    # channel and interleaves them in registers (perm::store_skew: VO + (R - 1) D loads for R
+    # words, where the gather makes VO a word); those runs stay flat up to perm_flat_max_bytes
+    # where their rows are not whole 32-byte sectors (row tiles split sectors between tiles:
+    # int8 (N, 28, 28, 512) 61-66% of copy, fp16 rows of 196 78-82%). () keeps the gather of
+    # 7x7 planes and row tiles elsewhere. Not yet measured: first choice, both on
+    perm_skew_regs: tuple[int, ...] = (1, 2)
+    # ... its lanes take this many consecutive words of a channel's run (1, 2, 4, 8, 16), then
+    # the next column: a store instruction writes runs of this many 16-byte words; a warp's
+    # loads meet 2-way bank conflicts from 4 (the words' rows 16 (int8) or 8 apart, pitches
+    # 4 (mod 8) elements), 4-way from 8. Not yet measured: first choice 2
+    perm_skew_words: int = 2
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it.
