@@ -82,8 +82,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                         help=f"also time cukern's plan without it wherever the plan {where}, "
                              f"interleaved in the same rounds (peer 'gather')")
     ap.add_argument("--skew-words", type=int, choices=(1, 2, 4, 8, 16), default=None,
-                    help="the tuning's perm_skew_words for this run: consecutive 16-byte words "
-                         "of a channel the skewed columns' lanes store; default: the table's")
+                    help="the tuning's perm_skew_words for this run, for every element size: "
+                         "consecutive 16-byte words of a channel the skewed columns' lanes "
+                         "store; default: the table's")
 
 
 def from_args(args) -> tuple[dict, tuple[str, ...]]:
@@ -92,7 +93,9 @@ def from_args(args) -> tuple[dict, tuple[str, ...]]:
     changes = {field: getattr(args, f"{key}_regs") for key, (field, _, _) in SWITCHES.items()
                if getattr(args, f"{key}_regs") is not None}
     if args.skew_words is not None:
-        changes["perm_skew_words"] = args.skew_words
+        from cukern.plan import permute as pp
+
+        changes["perm_skew_words"] = (args.skew_words,) * len(pp.SKEW_SIZES)
     ab = tuple(key for key in SWITCHES if getattr(args, f"ab_{key}_regs"))
     return changes, ab
 

@@ -98,7 +98,7 @@ def test_shapes_both_ways(case, dtype, switch, rng):
     ((1, 7, 7, 48), "bfloat16"), ((2, 3, 3, 64), "bfloat16")], ids=str)
 def test_lane_runs(shape, dtype, words, monkeypatch, rng):
     """perm_skew_words other than the default (lanes storing 1, 4, 16 words of a channel)."""
-    plan_with(monkeypatch, perm_skew_regs=pp.SKEW_SIZES, perm_skew_words=words)
+    plan_with(monkeypatch, perm_skew_regs=pp.SKEW_SIZES, perm_skew_words=(words, words))
     xh, xd = put(rng, shape, dtype)
     p = ops.plan_for(xd, NCHW)
     assert p.skew_regs and p.group == words.bit_length() - 1, str(p)

@@ -375,8 +375,10 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
     if not set(tuning.perm_flat_regs) <= set(FLAT_SIZES):
         raise ValueError(f"plan: perm_flat_regs {tuning.perm_flat_regs}: the flat-run "
                          f"interleave takes element sizes {FLAT_SIZES}")
-    if tuning.perm_skew_words not in (1, 2, 4, 8, 16):
-        raise ValueError(f"plan: perm_skew_words {tuning.perm_skew_words}: 1, 2, 4, 8 or 16")
+    words = tuning.perm_skew_words
+    if len(words) != len(SKEW_SIZES) or not set(words) <= {1, 2, 4, 8, 16}:
+        raise ValueError(f"plan: perm_skew_words {words}: one of 1, 2, 4, 8, 16 for each "
+                         f"element size {SKEW_SIZES}")
     if not set(tuning.perm_skew_regs) <= set(SKEW_SIZES):
         raise ValueError(f"plan: perm_skew_regs {tuning.perm_skew_regs}: the skewed-column "
                          f"phase 2 takes element sizes {SKEW_SIZES}")
@@ -477,7 +479,8 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     regs = byte_regs(shape, elem, tuning)
     sk = skew_regs(shape, o, elem, tuning)
     if sk >= 0:  # phase 2's lanes: runs of perm_skew_words words of a channel
-        shape = shape._replace(group=tuning.perm_skew_words.bit_length() - 1)
+        words = tuning.perm_skew_words[SKEW_SIZES.index(elem)]
+        shape = shape._replace(group=words.bit_length() - 1)
     targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo, sk)
     return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
