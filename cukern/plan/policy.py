@@ -172,13 +172,13 @@ class Tuning:
     # element sizes (1, 2) whose tile phase 2 reads 32-bit shared-memory words and transposes
     # them in registers (__byte_perm) where both tile sides are rows and words of 4 bytes or
     # more move both ways; () gathers an element a shared-memory load everywhere (the old phase
-    # 2: int8 45-83% of copy below ~50 MB). Not yet measured: first choice, both on
+    # 2: int8 45-83% of copy below ~50 MB). Against it in the same rounds: -0.7 to +18.2 points
     perm_byte_regs: tuple[int, ...] = (1, 2)
     # element sizes (1, 2, 4) whose tile phase 2 over a flat output run of 3-element blocks
     # (C = 3: NCHW -> NHWC of images) with 16-byte stores reads 16-byte row chunks of shared
     # memory and interleaves them in registers (one load a chunk where the gather makes one an
-    # element); () gathers there (int8 C = 3 NCHW -> NHWC 56-64% of copy, 16-bit 77-86%).
-    # Not yet measured: first choice, all on
+    # element); () gathers there. Against it in the same rounds: int8 55.3 -> 75.5% and
+    # 63.4 -> 83.8% of copy, 16-bit 77.3 -> 87.3%, 85.5 -> 95.6%, float32 -0.4 to +0.8 points
     perm_flat_regs: tuple[int, ...] = (1, 2, 4)
     # element sizes (1, 2) whose tile phase 2 over a flat output run of channels of L
     # elements, L = 0, 1 or 4 (mod the 16-byte word) (7x7, 14x14 planes, int8 28x28: NHWC ->
@@ -187,7 +187,8 @@ class Tuning:
     # words, where the gather makes VO a word); those runs stay flat up to perm_flat_max_bytes
     # where their rows are not whole 32-byte sectors (row tiles split sectors between tiles:
     # int8 (N, 28, 28, 512) 61-66% of copy, fp16 rows of 196 78-82%). () keeps the gather of
-    # 7x7 planes and row tiles elsewhere. Not yet measured: first choice, both on
+    # 7x7 planes and row tiles elsewhere. Against that in the same rounds: int8 -0.3 to +22.0
+    # points ((256, 28, 28, 512) 61.1 -> 83.1%), 16-bit +0.4 to +4.6 (2 words a lane)
     perm_skew_regs: tuple[int, ...] = (1, 2)
     # ... its lanes take this many consecutive words of a channel's run (1, 2, 4, 8, 16; for
     # int8, then 16-bit elements), then the next column: a store instruction writes runs of
