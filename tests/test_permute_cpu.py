@@ -596,3 +596,20 @@ def test_host_arrays_are_refused():
                  lambda: cukern.to_nchw(x), lambda: cukern.permute([1, 2], (0,))):
         with pytest.raises(TypeError, match="x must be a CuPy array"):
             call()
+
+
+@pytest.mark.parametrize("shape,item,flat", [
+    ((64, 7, 7, 2048), 8, True), ((2, 5, 5, 40), 8, True),      # 392 / 200 bytes: split sectors
+    ((64, 14, 14, 1024), 8, False),                              # 1568 bytes: whole sectors
+    ((64, 14, 14, 1024), 4, False), ((64, 7, 7, 2048), 4, True),  # float32: 7x7 flat as before
+])
+def test_flat_runs_that_split_sectors(shape, item, flat):
+    """perm_flat_split: 8-byte output runs of channels whose rows are not whole 32-byte sectors
+    are held whole (row tiles would split those sectors between blocks); without it, rows."""
+    p = plan(shape, NCHW, item)
+    assert p.kind == "tile" and p.flat_out is flat, str(p)
+    if item == 8:
+        q = plan(shape, NCHW, item, tuning=dataclasses.replace(HOPPER, perm_flat_split=()))
+        assert not q.flat_out, str(q)
+        if flat:  # the same kernel as the row tiles': no new instantiation
+            assert p.targs in set(pp.reachable_steps()), p.targs

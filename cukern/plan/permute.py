@@ -164,8 +164,8 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     output: i's output stride is so), the dim has at most perm_flat_max_bytes, and its rows
     allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd) or are under 32 bytes
     (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts; an output run
-    the skewed columns take (:func:`skew_run`) is flat too where its rows are not whole 32-byte
-    sectors. Both sides flat only where the whole (i, o) plane fits perm_tile_max_bytes.
+    the skewed columns take (:func:`skew_run`), or of an element size in perm_flat_split, is
+    flat too where its rows are not whole 32-byte sectors. Both sides flat only where the whole (i, o) plane fits perm_tile_max_bytes.
     Beside a flat side the other extent fills perm_tile_bytes (at least 16 bytes, 32 or 64
     beside a skewed-column run, at most its dim and perm_tile_max_extent);
     a short row side leaves the other grown up to perm_tile_bytes. Vectors: the widest the
@@ -191,7 +191,9 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
             and (vo_row < vo_flat or so * elem < 32))
     skew = (not fin and i.out_stride == so and so * elem <= short
             and skew_run(so, elem, vi_row, vo_flat, tuning) >= 0)
-    if not fout and skew and (so * elem) % 32:
+    split = (not fin and i.out_stride == so and so * elem <= short
+             and elem in tuning.perm_flat_split)
+    if not fout and (skew or split) and (so * elem) % 32:
         fout = True
     if fin and fout and si * so * elem > cap:
         fin, fout = (True, False) if si <= so else (False, True)

@@ -166,6 +166,11 @@ class Tuning:
     # (4-byte stores); but fp32 (256, 7, 7, 2048) 95.7% flat, 61.6% as rows of 4-byte stores.
     # (The input side stays flat to 2048: (64, 1024, 14, 14) NCHW->NHWC 90.8% flat, 71% rows)
     perm_flat_out_max_bytes: int = 128
+    # element sizes whose output runs (up to perm_flat_max_bytes) stay flat, gathered, where
+    # their rows are not whole 32-byte sectors (row tiles split those sectors between blocks):
+    # float64 (64, 7, 7, 2048) NHWC->NCHW 64.1 -> 94.9% of copy, (256, ...) 63.2 -> 98.1%;
+    # float32 (N, 14, 14, 1024) 82.5 -> 77.9% and 82.4 -> 83.4% (16 KB tiles: 72.6, 76.2)
+    perm_flat_split: tuple[int, ...] = (8,)
     # waves of resident blocks a grid at most (both kernels loop over their tiles; up to
     # there a block takes one tile and the block scheduler balances them)
     perm_waves: int = 32
