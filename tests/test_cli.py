@@ -312,9 +312,13 @@ def test_sigterm_leaves_nothing(tmp_path, rng, signame):
     x = save(tmp_path / "x.npy", rng.standard_normal((40_000, 1000)).astype(np.float16))
     out = tmp_path / "y.npy"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def default_signal():  # as a shell's foreground job gets it: a test run in the background
+        signal.signal(signum, signal.SIG_DFL)  # (nohup, cmd &) inherits SIGHUP/SIGINT ignored
+
     proc = subprocess.Popen([sys.executable, "-m", "cukern", "softmax", x, "-o", str(out),
                              "--device", "cpu", "--chunk-rows", "10"], env=env,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_signal)
     deadline = time.monotonic() + 60
     while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
