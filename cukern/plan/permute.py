@@ -44,10 +44,12 @@ from .permute_dims import (
     Simplified,
     c_strides,
     check_dtype,
+    fold_inner,
     merge,
     normalize_axes,
     output_dims,
     simplify,
+    vector_width,
 )
 from .permute_phase2 import (
     FLAT_RUN,
@@ -64,8 +66,8 @@ from .permute_phase2 import (
 from .policy import Tuning, tuning_for
 
 __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "check_dtype",
-           "normalize_axes",
-           "c_strides", "output_dims", "simplify", "fold_inner", "merge", "vector_width",
+           "normalize_axes", "c_strides", "output_dims", "simplify", "fold_inner", "merge",
+           "vector_width",
            "tile_shape", "byte_regs", "flat_regs", "index_bits", "fast_div", "plan_permute",
            "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES", "FLAT_SIZES",
            "FLAT_RUN", "SKEW_SIZES", "SKEWS", "skew_run", "skew_regs"]
@@ -76,36 +78,6 @@ MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
 # 32-bit kernels: offsets and counts stay below this (a tile or row tile may overhang its dim)
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
-
-
-def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
-               out_base: int) -> tuple[tuple[Dim, ...], int, int, int]:
-    """(dims, element bytes, in_base, out_base) after folding an innermost dim contiguous on
-    both sides into the element, where there are other dims, its bytes are a power of two up
-    to 16, and every other stride, both offsets and both pointers (``in_align``,
-    ``out_align``: bytes) allow the wider element; unchanged otherwise."""
-    dims = tuple(dims)
-    while len(dims) >= 2:
-        d = dims[-1]
-        n, nbytes = d.size, d.size * elem
-        if not (d.in_stride == 1 and d.out_stride == 1 and nbytes <= 16
-                and nbytes & (nbytes - 1) == 0 and in_align % nbytes == 0
-                and out_align % nbytes == 0 and in_base % n == 0 and out_base % n == 0
-                and all(o.in_stride % n == 0 and o.out_stride % n == 0 for o in dims[:-1])):
-            break
-        dims = merge(Dim(o.size, o.in_stride // n, o.out_stride // n) for o in dims[:-1])
-        elem, in_base, out_base = nbytes, in_base // n, out_base // n
-    return dims, elem, in_base, out_base
-
-
-def vector_width(elem: int, align: int, base: int, strides) -> int:
-    """Elements a vector access moves: the largest power of two up to 16 bytes dividing the
-    pointer's alignment (``align`` bytes) with the first element's offset ``base`` and every
-    stride in ``strides`` (elements)."""
-    v = 16 // elem
-    while v > 1 and (align % (v * elem) or base % v or any(s % v for s in strides)):
-        v //= 2
-    return max(v, 1)
 
 
 def _p2ceil(n: int) -> int:
@@ -163,15 +135,15 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     flat, its dim held whole, where its rows join into one run (input: o's input stride is si;
     output: i's output stride is so), the dim has at most perm_flat_max_bytes, and its rows
     allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd) or are under 32 bytes
-    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts; an output run
-    the skewed columns take (:func:`skew_run`), or of an element size in perm_flat_split, is
-    flat too where its rows are not whole 32-byte sectors. Both sides flat only where the whole (i, o) plane fits perm_tile_max_bytes.
-    Beside a flat side the other extent fills perm_tile_bytes (at least 16 bytes, 32 or 64
-    beside a skewed-column run, at most its dim and perm_tile_max_extent);
-    a short row side leaves the other grown up to perm_tile_bytes. Vectors: the widest the
-    pointer, offsets and strides allow, at most the tile's row. Pitch: 4 (mod 8) elements,
-    ti + 4 (phase 2's lane groups read distinct banks), si for a flat input. Group:
-    o-words of 32 bytes together."""
+    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts; an output run the
+    skewed columns take (:func:`skew_run`), or of an element size in perm_flat_split, is flat
+    too where its rows are not whole 32-byte sectors. Both sides flat only where the whole (i,
+    o) plane fits perm_tile_max_bytes. Beside a flat side the other extent fills
+    perm_tile_bytes (at least 16 bytes, 32 or 64 beside a skewed-column run, at most its dim
+    and perm_tile_max_extent); a short row side leaves the other grown up to perm_tile_bytes.
+    Vectors: the widest the pointer, offsets and strides allow, at most the tile's row. Pitch:
+    4 (mod 8) elements, ti + 4 (phase 2's lane groups read distinct banks), si for a flat
+    input. Group: o-words of 32 bytes together."""
     si, so = i.size, o.size
     ti0, to0 = _default_tile(elem, tuning)
     bin_ = [b.in_stride for b in batch]

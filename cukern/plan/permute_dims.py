@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["Dim", "Simplified", "MAX_DIMS", "WORDS", "check_dtype", "normalize_axes",
-           "c_strides", "output_dims", "simplify", "merge"]
+           "c_strides", "output_dims", "simplify", "merge", "fold_inner", "vector_width"]
 
 MAX_DIMS = 8  # kernels/permute.cuh: perm::kMaxDims; the API's rank limit
 WORDS = (1, 2, 4, 8, 16)  # bytes a kernel word or element moves
@@ -146,3 +146,33 @@ def simplify(shape, in_strides, out_strides) -> Simplified:
     dims.sort(key=lambda d: (-d.out_stride, -abs(d.in_stride)))
     merged = merge(dims)
     return Simplified(merged or (Dim(1, 1, 1),), in_off, out_off)
+
+
+def fold_inner(dims, elem: int, in_align: int, out_align: int, in_base: int,
+               out_base: int) -> tuple[tuple[Dim, ...], int, int, int]:
+    """(dims, element bytes, in_base, out_base) after folding an innermost dim contiguous on
+    both sides into the element, where there are other dims, its bytes are a power of two up
+    to 16, and every other stride, both offsets and both pointers (``in_align``,
+    ``out_align``: bytes) allow the wider element; unchanged otherwise."""
+    dims = tuple(dims)
+    while len(dims) >= 2:
+        d = dims[-1]
+        n, nbytes = d.size, d.size * elem
+        if not (d.in_stride == 1 and d.out_stride == 1 and nbytes <= 16
+                and nbytes & (nbytes - 1) == 0 and in_align % nbytes == 0
+                and out_align % nbytes == 0 and in_base % n == 0 and out_base % n == 0
+                and all(o.in_stride % n == 0 and o.out_stride % n == 0 for o in dims[:-1])):
+            break
+        dims = merge(Dim(o.size, o.in_stride // n, o.out_stride // n) for o in dims[:-1])
+        elem, in_base, out_base = nbytes, in_base // n, out_base // n
+    return dims, elem, in_base, out_base
+
+
+def vector_width(elem: int, align: int, base: int, strides) -> int:
+    """Elements a vector access moves: the largest power of two up to 16 bytes dividing the
+    pointer's alignment (``align`` bytes) with the first element's offset ``base`` and every
+    stride in ``strides`` (elements)."""
+    v = 16 // elem
+    while v > 1 and (align % (v * elem) or base % v or any(s % v for s in strides)):
+        v //= 2
+    return max(v, 1)
