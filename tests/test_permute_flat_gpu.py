@@ -29,6 +29,7 @@ from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compile
     expected,
     host,
     out_in_buffer,
+    plan_with,
     poison,
     put,
     put_misaligned,
@@ -45,13 +46,8 @@ NHWC, NCHW = (0, 2, 3, 1), (0, 3, 1, 2)
 DTYPES = ["int8", "uint8", "bool", "float16", "bfloat16", "int16", "float32", "int32"]
 
 
-def _tuning(on: bool, **more):
-    real = pp.tuning_for
-    return lambda device: dataclasses.replace(
-        real(device), perm_flat_regs=pp.FLAT_SIZES if on else (), **more)
-
-
-_clear = clear_launches
+def _flat_sizes(on: bool) -> tuple[int, ...]:
+    return pp.FLAT_SIZES if on else ()
 
 
 @pytest.fixture(params=["flat", "gather"])
@@ -59,10 +55,9 @@ def switch(request, monkeypatch):
     """The planner with perm_flat_regs on (1, 2, 4) or off, for every plan made in the test;
     the op's launch caches emptied around it (they key on layouts, not tunings)."""
     on = request.param == "flat"
-    monkeypatch.setattr(pp, "tuning_for", _tuning(on))
-    _clear()
+    plan_with(monkeypatch, perm_flat_regs=_flat_sizes(on))
     yield on
-    _clear()
+    clear_launches()
 
 
 def _id(case) -> str:
@@ -130,15 +125,14 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
     item, b, si, o_in, out_base = case
     if np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize != item:
         pytest.skip(f"a case of {item}-byte elements")
-    monkeypatch.setattr(pp, "tuning_for", _tuning(switch, perm_tile_min_bytes=16))
-    _clear()
+    plan_with(monkeypatch, perm_flat_regs=_flat_sizes(switch), perm_tile_min_bytes=16)
     base_h, base_d = put(rng, (b, 3, o_in), dtype)
     xh, xd = base_h[:, :, :si], base_d[:, :, :si]
     want = expected(xh, (0, 2, 1))
     buf, o = out_in_buffer(want, out_base)
     p = ops.plan_for(xd, (0, 2, 1), out=o)
     ref = flat_case_plan(case, dataclasses.replace(
-        pp.tuning_for(None), perm_flat_regs=pp.FLAT_SIZES if switch else ()))
+        pp.tuning_for(None), perm_flat_regs=_flat_sizes(switch)))
     assert (p.targs, p.tile, p.pitch, p.flat_regs) == \
         (ref.targs, ref.tile, ref.pitch, 3 if switch else 0), str(p)
     r = cukern.permute(xd, (0, 2, 1), out=o)
@@ -146,7 +140,7 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
     check_out_buffer(buf, want, out_base)
     check(xd, xh, (0, 2, 1), out=False)  # and into a fresh contiguous output
     assert_bits(base_d, base_h, "the input after the calls")
-    _clear()
+    clear_launches()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float16", "float32"])

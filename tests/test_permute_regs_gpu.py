@@ -22,6 +22,7 @@ from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compile
     assert_bits,
     check,
     check_64_bit,
+    check_misaligned,
     clear_launches,
     device_from_raw,
     expected,
@@ -29,6 +30,7 @@ from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compile
     plan_with,
     poison,
     put,
+    put_misaligned,
     raw,
     warm_permute,
 )
@@ -152,20 +154,11 @@ def test_strided_tiles_off_the_words(case, dtype, switch, rng):
 def test_misaligned_pointers(case, offset, dtype, switch, rng):
     """Input and output ``offset`` elements into their buffers: narrower words both ways."""
     shape, axes = case
-    n = int(np.prod(shape))
-    flat_h, flat_d = put(rng, (n + offset,), dtype)
-    xh, xd = flat_h[offset:].reshape(shape), flat_d[offset:].reshape(shape)
-    want = expected(xh, axes)
-    junk = np.full((n + offset, want.dtype.itemsize), 0x5A, np.uint8)
-    junk[offset:] = ~raw(want).reshape(n, -1)
-    obuf = device_from_raw(junk, want.dtype, (n + offset,))
-    o = obuf[offset:].reshape(want.shape)
+    xh, xd, want, o, obuf = put_misaligned(rng, shape, axes, dtype, offset, offset)
     p = ops.plan_for(xd, axes, out=o)
     if not switch:
         assert not p.regs
-    cukern.permute(xd, axes, out=o)
-    assert_bits(o, want, f"misaligned out= ({p.kernel})")
-    assert (raw(host(obuf))[:offset] == 0x5A).all(), "out= wrote before its first element"
+    check_misaligned(xd, axes, want, o, obuf, offset, p.kernel)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bool", "float16"])

@@ -156,16 +156,15 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     short = tuning.perm_flat_max_bytes
     fin = (o.in_stride == si and si * elem <= short and (vi_row < vi_flat or si * elem < 32))
     # a long flat output run only where rows would store words under 8 bytes (2-byte and
-    # wider elements): its phase 2 gathers element by element; or where the skewed columns
-    # take it (perm_skew_regs) and rows would split 32-byte sectors between tiles
+    # wider elements): its phase 2 gathers element by element; or where rows would split
+    # 32-byte sectors between tiles and the skewed columns (perm_skew_regs) or the gather
+    # (perm_flat_split) take the run
+    run_out = i.out_stride == so and so * elem <= short
     long_ok = so * elem <= tuning.perm_flat_out_max_bytes or (elem > 1 and vo_row * elem < 8)
-    fout = (i.out_stride == so and so * elem <= short and long_ok
-            and (vo_row < vo_flat or so * elem < 32))
-    skew = (not fin and i.out_stride == so and so * elem <= short
-            and skew_run(so, elem, vi_row, vo_flat, tuning) >= 0)
-    split = (not fin and i.out_stride == so and so * elem <= short
-             and elem in tuning.perm_flat_split)
-    if not fout and (skew or split) and (so * elem) % 32:
+    fout = run_out and long_ok and (vo_row < vo_flat or so * elem < 32)
+    skew = run_out and not fin and skew_run(so, elem, vi_row, vo_flat, tuning) >= 0
+    if (run_out and not fin and (so * elem) % 32
+            and (skew or elem in tuning.perm_flat_split)):
         fout = True
     if fin and fout and si * so * elem > cap:
         fin, fout = (True, False) if si <= so else (False, True)
@@ -460,8 +459,7 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
                        i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
                        flat_out=shape.flat_out, regs=regs, flat_regs=fo, skew_regs=sk >= 0,
-                       pitch=shape.pitch,
-                       group=shape.group, smem=smem)
+                       pitch=shape.pitch, group=shape.group, smem=smem)
 
 
 def reachable_steps() -> list[tuple]:
