@@ -613,3 +613,5 @@ def test_flat_runs_that_split_sectors(shape, item, flat):
         assert not q.flat_out, str(q)
         if flat:  # the same kernel as the row tiles': no new instantiation
             assert p.targs in set(pp.reachable_steps()), p.targs
+    with pytest.raises(ValueError, match="perm_flat_split"):
+        plan(shape, NCHW, item, tuning=dataclasses.replace(HOPPER, perm_flat_split=(3,)))

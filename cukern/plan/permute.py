@@ -352,6 +352,9 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
     if len(words) != len(SKEW_SIZES) or not set(words) <= {1, 2, 4, 8, 16}:
         raise ValueError(f"plan: perm_skew_words {words}: one of 1, 2, 4, 8, 16 for each "
                          f"element size {SKEW_SIZES}")
+    if not set(tuning.perm_flat_split) <= set(WORDS):
+        raise ValueError(f"plan: perm_flat_split {tuning.perm_flat_split}: element sizes of "
+                         f"{WORDS}")
     if not set(tuning.perm_skew_regs) <= set(SKEW_SIZES):
         raise ValueError(f"plan: perm_skew_regs {tuning.perm_skew_regs}: the skewed-column "
                          f"phase 2 takes element sizes {SKEW_SIZES}")
