@@ -13,7 +13,9 @@ values before it returns. Arguments of a call, in the kernel's order:
 - :class:`ByValue`: a struct passed by value (its own buffer).
 
 Every launch runs on CuPy's current stream and device; the kernel handle must be the current
-device's (the ops key their launches by device and check it).
+device's (the ops key their launches by device and check it). A kernel that reads its cluster's
+size at run time (sm_90) launches through ``cuLaunchKernelEx`` with the cluster-dimension
+attribute (:func:`launch_config`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["ByValue", "RawLaunch", "bits"]
+__all__ = ["ByValue", "LaunchConfig", "RawLaunch", "bits", "driver_function", "launch_config"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -39,6 +41,62 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     _ndarray = type(None)
     _DriverError = RuntimeError
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_uint * 3), ("rest", ctypes.c_char * 52)]
+
+
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def launch_config(grid, block, smem: int = 0, cluster: int = 1) -> LaunchConfig:
+    """A ``CUlaunchConfig`` (its stream null) with clusters of ``cluster`` blocks along x where
+    ``cluster > 1``; the structure keeps its attribute alive."""
+    g = (tuple(grid) if isinstance(grid, tuple) else (grid,)) + (1, 1)
+    b = (tuple(block) if isinstance(block, tuple) else (block,)) + (1, 1)
+    config = LaunchConfig(*map(int, g[:3]), *map(int, b[:3]), int(smem or 0))
+    if cluster > 1:
+        attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+        attr.value[:] = (int(cluster), 1, 1)
+        config._attr = attr
+        config.attrs, config.numAttrs = ctypes.pointer(attr), 1
+    return config
+
+
+_driver_functions: dict[str, object] = {}
+
+
+def driver_function(name: str, argtypes):
+    """A CUDA driver entry point through ctypes (returning CUresult), or None where the driver
+    lacks it."""
+    if name not in _driver_functions:
+        try:
+            fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        except (OSError, AttributeError):
+            fn = None
+        _driver_functions[name] = fn
+    return _driver_functions[name]
+
+
+def _launch_ex(config: LaunchConfig, function: int, params: int) -> None:
+    fn = driver_function("cuLaunchKernelEx", [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p])
+    if fn is None:
+        raise RuntimeError("cuLaunchKernelEx is missing from the CUDA driver: clusters sized at "
+                           "launch need a driver of CUDA 12 or newer")
+    config.hStream = _current_stream().ptr or None
+    status = fn(ctypes.byref(config), function, params, None)
+    if status:
+        raise _DriverError(status)
 
 
 def bits(value) -> int:
@@ -74,16 +132,21 @@ def _slot(a) -> int:
 class RawLaunch:
     """One kernel with its grid, block and dynamic shared memory fixed, and optionally fixed
     trailing arguments (``tail``: slot values, NumPy scalars or :class:`ByValue`); a call
-    passes the leading arguments and launches on CuPy's current stream."""
+    passes the leading arguments and launches on CuPy's current stream. ``cluster > 1``: the
+    kernel reads its cluster's size at run time, and launches with it as an attribute."""
 
-    __slots__ = ("function", "config", "tail", "_keep", "_slots", "_params", "_nargs", "_lock")
+    __slots__ = ("function", "config", "tail", "_ex", "_keep", "_slots", "_params", "_nargs",
+                 "_lock")
 
-    def __init__(self, function: int, grid, block, smem: int = 0, tail: tuple = ()):
+    def __init__(self, function: int, grid, block, smem: int = 0, tail: tuple = (),
+                 cluster: int = 1):
         self.function = function  # CUfunction handle (cupy Function.ptr)
         g = tuple(grid) if isinstance(grid, tuple) else (grid,)
         b = tuple(block) if isinstance(block, tuple) else (block,)
         g, b = g + (1,) * (3 - len(g)), b + (1,) * (3 - len(b))
         self.config = (*map(int, g), *map(int, b), int(smem or 0))
+        # built once; its stream is set at each launch, under the lock
+        self._ex = launch_config(g, b, smem, cluster) if cluster > 1 else None
         self.tail = tuple(t if isinstance(t, ByValue) else _slot(t) for t in tail)
         self._nargs = -1
         self._lock = threading.Lock()
@@ -116,6 +179,8 @@ class RawLaunch:
             if len(values) != self._nargs:
                 self._build(len(values))
             self._slots[:self._nargs] = values
+            if self._ex is not None:
+                return self._launch_clusters()
             try:
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)
@@ -127,3 +192,12 @@ class RawLaunch:
                 _cp.cuda.runtime.free(0)
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)
+
+    def _launch_clusters(self) -> None:
+        try:
+            _launch_ex(self._ex, self.function, self._params)
+        except _DriverError as e:
+            if e.status != _INVALID_CONTEXT:
+                raise
+            _cp.cuda.runtime.free(0)  # as in __call__
+            _launch_ex(self._ex, self.function, self._params)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import math
 import numbers
@@ -25,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
 
-from . import _compile, _device
+from . import _compile, _device, _launch
 from . import plan as _plan
 from ._capture import capture_safe, keep  # noqa: F401  (the ops' capture safety)
 
@@ -282,36 +281,16 @@ def driver_occupancy(device_id: int):
     return occ
 
 
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
-                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
-                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
-
-
-@functools.cache
-def _cu_max_active_clusters():
-    """The driver's cuOccupancyMaxActiveClusters (CUDA 12+), or None."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    return fn
-
-
 def _max_active_clusters(kern, plan: _plan.Plan) -> int | None:
-    """Clusters of ``plan`` (its cluster size compiled into the kernel) resident at once, or
-    None when the driver cannot say."""
-    fn = _cu_max_active_clusters()
+    """Clusters of ``plan`` (its size compiled into the kernel, or a launch attribute where
+    ``plan.launch_cluster``) resident at once, or None when the driver cannot say
+    (cuOccupancyMaxActiveClusters, CUDA 12+)."""
+    fn = _launch.driver_function("cuOccupancyMaxActiveClusters", [
+        ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_launch.LaunchConfig)])
     if fn is None or plan.cluster <= 1:
         return None
-    config = _LaunchConfig(gridDimX=plan.cluster * 64, gridDimY=1, gridDimZ=1,
-                           blockDimX=plan.block[0], blockDimY=plan.block[1], blockDimZ=1,
-                           sharedMemBytes=plan.smem_bytes)
+    config = _launch.launch_config((plan.cluster * 64,), plan.block, plan.smem_bytes,
+                                   plan.launch_cluster)
     n = ctypes.c_int(0)
     if fn(ctypes.byref(n), ctypes.c_void_p(kern.kernel.ptr), ctypes.byref(config)) != 0:
         return None
@@ -362,7 +341,7 @@ class Launch(RawLaunch):
         self.plan = plan
         self.device_id = device_id
         super().__init__(kernel(plan, device_id).kernel.ptr, (plan.grid,), plan.block,
-                         plan.smem_bytes, tail)
+                         plan.smem_bytes, tail, cluster=plan.launch_cluster)
 
 
 class AuxLaunch(RawLaunch):

@@ -31,6 +31,49 @@ __device__ __forceinline__ unsigned cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
+
+// Cluster kernels take their size as a template argument CLUSTER (with __cluster_dims__), or,
+// with CLUSTER == 0, as a launch attribute (cuLaunchKernelEx): one instantiation for every size,
+// which the norms use for packs narrower than 16 bytes (cukern/families/norm.py).
+constexpr int kMaxCluster = 16;  // the non-portable maximum (the host opts kernels in past 8)
+// This block's cluster's size, its index along the grid, and the number of clusters.
+__device__ __forceinline__ int cluster_size() {
+  unsigned n;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return static_cast<int>(n);
+}
+__device__ __forceinline__ unsigned cluster_index() {
+  unsigned i;
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(i));
+  return i;
+}
+__device__ __forceinline__ unsigned cluster_count() {
+  unsigned n;
+  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(n));
+  return n;
+}
+template <int N> struct ClusterWidth {
+  static constexpr int value = N;
+};
+// Calls f(ClusterWidth<N>()) with N = CLUSTER, or for CLUSTER == 0 the cluster's size n (2, 4, 8
+// or 16: the planner's sizes; any other traps), so that the reductions across the blocks' states
+// (a few shuffles on every row's critical path) see their width at compile time either way.
+template <int CLUSTER, typename F>
+__device__ __forceinline__ auto with_cluster_width(int n, const F& f) {
+  if constexpr (CLUSTER > 0) {
+    return f(ClusterWidth<CLUSTER>());
+  } else {
+    static_assert(kMaxCluster == 16, "the cases below");
+    switch (n) {
+      case 2: return f(ClusterWidth<2>());
+      case 4: return f(ClusterWidth<4>());
+      case 8: return f(ClusterWidth<8>());
+      case 16: return f(ClusterWidth<16>());
+      default: __trap();
+    }
+    return f(ClusterWidth<16>());  // not reached
+  }
+}
 // The shared-memory address of `p` in the block of cluster rank `rank`.
 __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
   unsigned local, remote;
@@ -131,10 +174,11 @@ template <typename C> __device__ __forceinline__ MaxSum<C> MaxSum<C>::remote(uns
 // and the wait (loads that the fence must not wait for). The final call (`last`, the same in
 // every block) arrives once more after its reads and returns without waiting: the caller
 // must call cluster_wait() before the block exits, so that no block exits while another still
-// reads its state, and may store its results first. Every thread of every block must call it.
+// reads its state, and may store its results first. Every thread of every block must call it,
+// with `n` the cluster's size (CLUSTER, or cluster_size() where CLUSTER is 0).
 // Measurements: docs/notes/kernels.md, "Cluster reductions".
 template <int CLUSTER, typename S, typename F>
-__device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
+__device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool last,
                                            const F& meanwhile) {
   __shared__ S slot[2], result[2];
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -145,9 +189,12 @@ __device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
   cluster_wait();  // every block's state is written
   if (reader) {
     const unsigned lane = tid;
-    // groups of CLUSTER lanes: the first holds every rank's state
-    const S ranks = lane < CLUSTER ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
-    const S w = allreduce_group(ranks, CLUSTER);
+    // groups of N lanes (the cluster's size): the first holds every rank's state
+    const S w = with_cluster_width<CLUSTER>(n, [&](auto width) {
+      constexpr int N = decltype(width)::value;
+      const S ranks = lane < N ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
+      return allreduce_group(ranks, N);
+    });
     if (lane == 0) result[b] = w;
   }
   if (last) cluster_arrive(reader);  // this block's reads are done; cluster_wait() before exit
@@ -159,15 +206,16 @@ __device__ __forceinline__ S merge_cluster(const S& v, unsigned b, bool last,
 // `meanwhile` and `last` as there), each call with its buffer picked by `phase` (as in
 // allreduce_block). Every thread of every block must call it, with the same `phase`.
 template <int CLUSTER, typename S, typename F>
-__device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last,
+__device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  return merge_cluster<CLUSTER>(allreduce_block(v, phase), b, last, meanwhile);
+  return merge_cluster<CLUSTER>(allreduce_block(v, phase), n, b, last, meanwhile);
 }
 
-// The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
-// to every block (its inbox slot `rank`) with cluster_store_async, counted off that block's
-// mbarrier; each block waits on its own mbarrier for the CLUSTER states, and every warp merges
+// The same all-reduce with no cluster barrier a call: threads 0..n-1 (n: the cluster's size, as
+// in merge_cluster) send the block's state to every block (its inbox slot `rank`) with
+// cluster_store_async, counted off that block's mbarrier; each block waits on its own mbarrier
+// for the n states, and every warp merges
 // them from its own shared memory (the same states in the same butterfly: bit-identical results
 // in every block). A cluster barrier only on the first call (every block's mbarriers initialised
 // before anyone sends) and the last (`last`: no block exits while a store to it may be on its
@@ -181,9 +229,9 @@ __device__ __forceinline__ S allreduce_cluster(S v, unsigned& phase, bool last,
 // L1 invalidation, which nothing hides where a block is alone on its SM (the norms' backward);
 // where blocks share an SM, allreduce_cluster is faster (docs/notes/kernels.md).
 template <int CLUSTER, typename S>
-__device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool last) {
+__device__ __forceinline__ S allreduce_cluster_async(S v, int n, unsigned& phase, bool last) {
   static_assert(sizeof(S) % 4 == 0, "a state is whole 4-byte words");
-  __shared__ S inbox[2][CLUSTER];
+  __shared__ S inbox[2][CLUSTER > 0 ? CLUSTER : kMaxCluster];
   __shared__ unsigned long long arrived[2];
   const unsigned call = phase, b = call & 1u;
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -195,15 +243,18 @@ __device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool 
     }
     cluster_sync();
   }
-  if (tid == 0) mbarrier_arrive_expect(&arrived[b], CLUSTER * sizeof(S));
+  if (tid == 0) mbarrier_arrive_expect(&arrived[b], n * sizeof(S));
   v = allreduce_block(v, phase);
-  if (tid < CLUSTER) {
+  if (tid < n) {
     v.put_remote(cluster_map(&inbox[b][cluster_rank()], tid), cluster_map(&arrived[b], tid));
   }
   mbarrier_wait(&arrived[b], (call >> 1) & 1u);
   const int lane = static_cast<int>(lane_id());
-  // every group of CLUSTER lanes merges all the states, in the same order
-  const S w = allreduce_group(inbox[b][lane % CLUSTER], CLUSTER);
+  // every group of N lanes merges all the states, in the same order
+  const S w = with_cluster_width<CLUSTER>(n, [&](auto width) {
+    constexpr int N = decltype(width)::value;
+    return allreduce_group(inbox[b][lane % N], N);
+  });
   if (last) cluster_sync();
   return w;
 }
@@ -216,14 +267,27 @@ __device__ __forceinline__ void cluster_pack_range(int num_packs, int cluster, u
   p1 = min(num_packs, p0 + per);
 }
 
-// BlockReduce's interface (reduce.cuh) over a cluster of CLUSTER blocks: operator() is
+// The cluster's size n: CLUSTER, or where CLUSTER is 0 a member set from the launch.
+template <int CLUSTER> struct ClusterBlocks {
+  static constexpr int n = CLUSTER;
+  __device__ __forceinline__ explicit ClusterBlocks(int) {}
+};
+template <> struct ClusterBlocks<0> {
+  int n;
+  __device__ __forceinline__ explicit ClusterBlocks(int size) : n(size) {}
+};
+
+// BlockReduce's interface (reduce.cuh) over a cluster of n blocks (ClusterBlocks): operator() is
 // allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
-template <int CLUSTER> struct ClusterReduce {
+template <int CLUSTER> struct ClusterReduce : ClusterBlocks<CLUSTER> {
   static constexpr bool kCluster = true;
+  using ClusterBlocks<CLUSTER>::n;
   unsigned phase = 0, block_phase = 0;
+  __device__ __forceinline__ explicit ClusterReduce(int size = CLUSTER)
+      : ClusterBlocks<CLUSTER>(size) {}
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<CLUSTER>(v, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER>(v, n, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
@@ -233,7 +297,7 @@ template <int CLUSTER> struct ClusterReduce {
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster<CLUSTER>(v, phase++ & 1u, last, meanwhile);
+    return merge_cluster<CLUSTER>(v, n, phase++ & 1u, last, meanwhile);
   }
   __device__ __forceinline__ void finish() { cluster_wait(); }
 };

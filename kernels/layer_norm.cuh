@@ -4,6 +4,7 @@
 //   *_warp            a group of blockDim.x lanes owns a row held in registers (cols <= 1024)
 //   *_block_smem      one block per row, the row cached in shared memory in its storage type
 //   *_cluster         a cluster of CLUSTER blocks per row (sm_90), each caching a slice
+//   *_cluster_dyn     the same with the cluster's size set at launch (packs under 16 bytes)
 //   *_block_uncached  one block per row, the row read again from global memory
 #pragma once
 #include "cluster.cuh"
@@ -228,6 +229,7 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
   const T *x, const T *res, const P *gamma, const P *beta, T *y, T *h,                         \
       typename Num<T>::compute *mean, typename Num<T>::compute *rstd,                          \
       typename Num<T>::compute eps, i64 rows, int cols, i64 sx, i64 sr, i64 sy, i64 sh
+#define CUKERN_NORM_FWD_ARGS x, res, gamma, beta, y, h, mean, rstd, eps, rows, cols, sx, sr, sy, sh
 
 // W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime); P: their type.
 #define CUKERN_NORM_FWD_SETUP(W, B, P)                                                         \
@@ -627,35 +629,53 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-// A cluster of CLUSTER blocks per row (sm_90): each block caches a slice of the row (see
-// norm_rows), and the blocks' statistics meet in distributed shared memory. ROWS rows a pass
-// (consecutive; Plan.rows_per_pass): each block's slice of gamma and beta is read once for
-// them, where the slice, read from L2 for every row, would double or triple what the block
-// reads besides x. WEIGHT and BIAS are template switches here, not null pointers: run-time
-// presence cost these kernels 1-6 points of copy speed (AffineStore).
+// A cluster of blocks per row (sm_90): each block caches a slice of the row (see norm_rows), and
+// the blocks' statistics meet in distributed shared memory. ROWS rows a pass (consecutive;
+// Plan.rows_per_pass): each block's slice of gamma and beta is read once for them, where the
+// slice, read from L2 for every row, would double or triple what the block reads besides x.
+// WEIGHT and BIAS are template switches here, not null pointers: run-time presence cost these
+// kernels 1-6 points of copy speed (AffineStore). CLUSTER blocks a cluster, or with CLUSTER == 0
+// the size set at launch (layer_norm_cluster_dyn, cluster.cuh).
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
           bool OVERLAP, int MIN_BLOCKS, int ROWS>
-__global__ void __cluster_dims__(CLUSTER, 1, 1)
-__launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
-layer_norm_cluster(CUKERN_NORM_FWD_PARAMS(T)) {
+__device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   static_assert(MIN_BLOCKS == 1 || MIN_BLOCKS == 3, "MIN_BLOCKS: 1, or 3 blocks of <= 512 threads");
   static_assert(ROWS == 1 || ROWS == 2, "ROWS: 1 or 2 rows a pass");
   CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS, T);
   constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
-  const int num_packs = cols / PACK;
+  const int num_packs = cols / PACK, n = CLUSTER > 0 ? CLUSTER : cluster_size();
   int p0, p1;
-  cluster_pack_range(num_packs, CLUSTER, rank, p0, p1);
-  const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // the widest block's
-  ClusterReduce<CLUSTER> reduce;
+  cluster_pack_range(num_packs, n, rank, p0, p1);
+  const int slice = (num_packs + n - 1) / n * PACK;  // the widest block's
+  ClusterReduce<CLUSTER> reduce(n);
+  const i64 cluster = CLUSTER > 0 ? blockIdx.x / CLUSTER : cluster_index();
+  const i64 clusters = CLUSTER > 0 ? gridDim.x / CLUSTER : cluster_count();
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V, ROWS>(
-      aligned_dynamic_smem<T>(), slice, ld, st, x, sx, mean, rstd, eps,
-      static_cast<i64>(blockIdx.x / CLUSTER) * ROWS, rows,
-      static_cast<i64>(gridDim.x / CLUSTER) * ROWS, cols, p0, p1, rank == 0, reduce);
+      aligned_dynamic_smem<T>(), slice, ld, st, x, sx, mean, rstd, eps, cluster * ROWS, rows,
+      clusters * ROWS, cols, p0, p1, rank == 0, reduce);
+}
+
+template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
+          bool OVERLAP, int MIN_BLOCKS, int ROWS>
+__global__ void __cluster_dims__(CLUSTER, 1, 1)
+__launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
+layer_norm_cluster(CUKERN_NORM_FWD_PARAMS(T)) {
+  cluster_rows<T, ALGO, PACK, CLUSTER, WEIGHT, BIAS, RESIDUAL, OVERLAP, MIN_BLOCKS, ROWS>(
+      CUKERN_NORM_FWD_ARGS);
+}
+
+template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL, bool OVERLAP,
+          int MIN_BLOCKS, int ROWS>
+__global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
+layer_norm_cluster_dyn(CUKERN_NORM_FWD_PARAMS(T)) {
+  cluster_rows<T, ALGO, PACK, 0, WEIGHT, BIAS, RESIDUAL, OVERLAP, MIN_BLOCKS, ROWS>(
+      CUKERN_NORM_FWD_ARGS);
 }
 #endif
 
 #undef CUKERN_NORM_FWD_PARAMS
+#undef CUKERN_NORM_FWD_ARGS
 #undef CUKERN_NORM_FWD_SETUP
 
 }  // namespace cukern

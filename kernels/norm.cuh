@@ -32,17 +32,17 @@
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
-// the cluster size, the forward's fused RESIDUAL (a read and a write more), the forward
-// cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a cached
-// forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
-// WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether
-// gamma is copied into shared memory (GAMMA), and for the uncached kernels the parameters' type
-// P (T, or float for 16-bit T: float32 weight and bias with half or bfloat16 data, a separate
-// instantiation so that the others' code stays as it is; a run-time flag changed ptxas's
-// register allocation of many of them). The group width (blockDim.x of the warp kernel), the
-// block size, padding, the number of buffers of a cached backward and whether the forward warp
-// and block kernels have gamma and beta (null pointers where absent: layer_norm.cuh,
-// AffineStore) are read at run time.
+// the cluster size (at packs of 16 bytes; narrower packs' *_cluster_dyn kernels read it at run
+// time: one instantiation for every size), the forward's fused RESIDUAL (a read and a write more),
+// the forward cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a
+// cached forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
+// WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether gamma
+// is copied into shared memory (GAMMA), and for the uncached kernels the parameters' type P (T, or
+// float for 16-bit T: float32 weight and bias with half or bfloat16 data, a separate instantiation
+// so that the others' code stays as it is; a run-time flag changed ptxas's register allocation of
+// many of them). The group width (blockDim.x of the warp kernel), the block size, padding, the
+// number of buffers of a cached backward and whether the forward warp and block kernels have gamma
+// and beta (null pointers where absent: layer_norm.cuh, AffineStore) are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
 // Every pointer and row stride is a multiple of PACK elements (the planner checks).

@@ -157,6 +157,30 @@ def test_norm_backward_partial_sums(op, dtype, path, rng):
     capture_and_replay(run, TOL[dtype])
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_backward"])
+def test_clusters_sized_at_launch(op, rng):
+    """Odd rows past one block's shared memory: clusters whose kernel reads its size at run time,
+    launched through cuLaunchKernelEx with the size as an attribute, captured and replayed."""
+    if not cukern.DeviceSpec.from_device().has_clusters:
+        pytest.skip("needs thread-block clusters (sm_90)")
+    cols = 10**5 + 3
+    x = randn(rng, (8, cols), "float16")
+    w = randn(rng, (cols,), "float16", shift=1.0)
+    if op == "layer_norm":
+        def run():
+            return cukern.layer_norm(x, cols, w, return_stats=True)
+    else:
+        dy = randn(rng, (8, cols), "float16")
+        _, mean, rstd = cukern.layer_norm(x, cols, w, return_stats=True)
+
+        def run():
+            return cukern.layer_norm_backward(dy, x, mean, rstd, w)
+
+    capture_and_replay(run, TOL["float16"])
+    plan = ln_mod.last_plan(op)
+    assert plan.launch_cluster == plan.cluster > 1, plan
+
+
 def test_layer_norm_copies(rng):
     """A weight and an input that must be copied first (strided weight, trailing dims that
     are not one run)."""

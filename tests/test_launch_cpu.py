@@ -45,6 +45,32 @@ def test_a_struct_passed_by_value_keeps_its_bytes():
     assert bytes(buf) == v.tobytes() and len(bytes(buf)) == dt.itemsize == 16
 
 
+def test_cluster_launch_config_matches_the_drivers_layout():
+    """CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out on 64-bit hosts: the config
+    56 bytes (hStream at 32, attrs at 40, numAttrs at 48), an attribute 72 (its id, 4 bytes of
+    padding, then a 64-byte union whose clusterDim is 3 unsigned ints)."""
+    import ctypes
+
+    assert ctypes.sizeof(_launch.LaunchConfig) == 56
+    assert _launch.LaunchConfig.hStream.offset == 32
+    assert _launch.LaunchConfig.attrs.offset == 40
+    assert _launch.LaunchConfig.numAttrs.offset == 48
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert _launch._LaunchAttribute.value.offset == 8
+    config = _launch.launch_config((96,), (256, 2), 4096, cluster=8)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (96, 1, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (256, 2, 1)
+    assert config.sharedMemBytes == 4096 and not config.hStream
+    assert config.numAttrs == 1
+    attr = config.attrs[0]
+    assert attr.id == 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert list(attr.value) == [8, 1, 1]
+    assert _launch.launch_config(96, 256).numAttrs == 0  # no clusters: no attribute
+    # a launch of clusters sized at launch keeps its configuration; others use cuLaunchKernel
+    assert _launch.RawLaunch(0, 96, 256, cluster=8)._ex.attrs[0].value[0] == 8
+    assert _launch.RawLaunch(0, 96, 256)._ex is None
+
+
 def test_prepare_refuses_unknown_ops_and_host_arrays():
     x = np.zeros((4, 8), np.float32)
     with pytest.raises(ValueError, match="prepare: op must be one of .*got 'softmaxx'"):

@@ -149,6 +149,20 @@ def test_name_expressions():
     assert p.variant is Variant.CLUSTER and p.overlap
     assert p.name_expression() == \
         f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1, 1>"
+    # packs under 16 bytes (a misaligned or odd row): the cluster's size is set at launch, and
+    # is not a template argument
+    p = plan_rowwise("layer_norm", 512, 262144, "float32", H100, align_elems=2,
+                     switches=Switches(weight=True))
+    assert (p.variant, p.pack_size, p.launch_cluster) == (Variant.CLUSTER, 2, p.cluster)
+    assert p.cluster in (2, 4, 8, 16)
+    assert p.name_expression() == \
+        "cukern::layer_norm_cluster_dyn<float, 0, 2, true, false, false, false, 3, 1>"
+    assert f"{p.cluster} blocks per row (set at launch)" in str(p)
+    p = plan_rowwise("layer_norm_backward", 8, 100001, "float16", H100, switches=WEIGHT)
+    assert (p.variant, p.pack_size, p.launch_cluster) == (Variant.CLUSTER, 1, p.cluster)
+    assert p.name_expression().startswith(
+        "cukern::layer_norm_grad_cluster_dyn<cukern::f16, 0, 1, true,")
+    assert plan_rowwise("layer_norm", 512, 262144, "float32", H100).launch_cluster == 1
     # the default switches are the first listed: no weight, no bias, no residual
     assert plan_rowwise("layer_norm", 4, 64, "float32", H100).switches == Switches()
     assert policy("layer_norm").switch_sets[0] == Switches()
@@ -675,7 +689,7 @@ def test_reachable_sets():
                 """The op's template switches of the kernel: the forward's cached kernels end in
                 Plan.overlap (its clusters, with weight and bias switches, in Plan.overlap,
                 Plan.min_blocks, then Plan.rows_per_pass)."""
-                cluster = "_cluster<" in name
+                cluster = "_cluster<" in name or "_cluster_dyn<" in name
                 template_switches = norm.template_switches(
                     op, Variant.CLUSTER if cluster else Variant.WARP)
                 n_extra = len(template_switches)
@@ -702,7 +716,13 @@ def test_reachable_sets():
 
             # every switch combination, and nothing else, for each kind of kernel (the
             # forward's clusters over weight, bias and residual; the rest over residual)
-            clusters = [n for n in kernels if "_cluster<" in n and op in norm.CLUSTER_SWITCHES]
+            clusters = [n for n in kernels if ("_cluster<" in n or "_cluster_dyn<" in n)
+                        and op in norm.CLUSTER_SWITCHES]
+            # the cluster's size compiled in at 16-byte packs, set at launch below them
+            for n in kernels:
+                if "_cluster" in n:
+                    nbytes = int(n.split(", ")[2]) * ITEM[dt]
+                    assert ("_cluster_dyn<" in n) is (nbytes < 16), n
             others = [n for n in kernels if n not in clusters]
             assert {switches(n) for n in others} == {switch_flags(op, sw)
                                                      for sw in pol.switch_sets}

@@ -867,12 +867,15 @@ def test_max_active_clusters():
     from cukern.plan import plan_rowwise
 
     occ = runner.driver_occupancy(0)
-    plan = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", spec(), occ,
-                        switches=Switches(weight=True))
-    assert plan.variant is Variant.CLUSTER
-    n = occ.max_clusters(plan)
-    assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
-    assert plan.grid == n * plan.cluster
+    # 16-byte packs (the size compiled in), and packs of one element (the size set at launch)
+    for cols, at_launch in ((65536, False), (65535, True)):
+        plan = plan_rowwise("layer_norm_backward", 1000, cols, "float16", spec(), occ,
+                            switches=Switches(weight=True))
+        assert plan.variant is Variant.CLUSTER
+        assert (plan.launch_cluster > 1) is at_launch, plan
+        n = occ.max_clusters(plan)
+        assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
+        assert plan.grid == n * plan.cluster
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,16 +9,21 @@ warp and block kernels read weight and bias at run time, absent as null pointers
 instantiation serves every Switches of a residual setting, while its clusters keep them as
 switches: run-time presence cost them 1-6 points of copy speed). Float32 weight and bias with
 float16 or bfloat16 data (Switches.float32_params) run the uncached kernels with their type P =
-float, the only kernels instantiated for them (P defaults to T)::
+float, the only kernels instantiated for them (P defaults to T). Cluster kernels of packs
+under 16 bytes (misaligned or odd rows) take the cluster's size at launch (``*_cluster_dyn``,
+``Plan.launch_cluster``): one instantiation for every size, where the size compiled in keeps the
+16-byte packs' kernels as measured::
 
     layer_norm_warp<T, ALGO, PACK, CPT, RPA, R>
     layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP>
     layer_norm_block_uncached<T, ALGO, PACK, R[, P]>
     layer_norm_cluster<T, ALGO, PACK, CLUSTER, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
+    layer_norm_cluster_dyn<T, ALGO, PACK, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
     layer_norm_grad_warp<T, ALGO, PACK, CPT, RPA, W>
     layer_norm_grad_block_smem<T, ALGO, PACK, W, REGS, GAMMA>
     layer_norm_grad_block_uncached<T, ALGO, PACK, W[, P]>
     layer_norm_grad_cluster<T, ALGO, PACK, CLUSTER, W, REGS, GAMMA>
+    layer_norm_grad_cluster_dyn<T, ALGO, PACK, W, REGS, GAMMA>
     norm_param_grad_partial<T, ALGO, PACK>, norm_param_grad_reduce<T>   (auxiliary)
 """
 
@@ -66,7 +71,7 @@ def name_expression(plan: Plan) -> str:
     args = [CPP_TYPES[plan.dtype], pol.algo, plan.pack_size]
     if v is Variant.WARP:
         args += [plan.cols_per_thread, plan.rows_per_access]
-    elif v is Variant.CLUSTER:
+    elif v is Variant.CLUSTER and plan.launch_cluster == 1:
         args.append(plan.cluster)
     cached = v in (Variant.BLOCK_SMEM, Variant.CLUSTER)
     args += [_tf(getattr(sw, s)) for s in template_switches(pol.op, v)]
@@ -79,7 +84,8 @@ def name_expression(plan: Plan) -> str:
             args += [min_blocks(plan), plan.rows_per_pass]
     if sw.float32_params:  # the parameters' type P (the uncached kernels only)
         args.append(CPP_TYPES["float32"])
-    return f"cukern::{pol.kernel}_{v.value}<{', '.join(map(str, args))}>"
+    dyn = "_dyn" if plan.launch_cluster > 1 else ""
+    return f"cukern::{pol.kernel}_{v.value}{dyn}<{', '.join(map(str, args))}>"
 
 
 def aux_kernels(op: str):
@@ -96,7 +102,7 @@ def aux_kernels(op: str):
 
 
 _NORM = dict(strided=False, cluster_threads_per_sm=1536, rows_overlap=False, smem_align=128,
-             signature=name_expression, float32_params=True)
+             signature=name_expression, float32_params=True, cluster_at_launch_below=16)
 _TF = (False, True)
 _FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
                 switches=("weight", "bias", "residual"), overlap_with_residual=True,

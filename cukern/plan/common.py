@@ -94,6 +94,15 @@ class Plan:
         signature, beside its kernels)."""
         return self.policy.signature(self)
 
+    @property
+    def launch_cluster(self) -> int:
+        """The cluster size the launch sets (its kernel reads it at run time), or 1 where the
+        kernel has its size compiled in or runs no clusters."""
+        if self.variant is Variant.CLUSTER and self.policy is not None and \
+                self.pack_size * ITEMSIZE[self.dtype] < self.policy.cluster_at_launch_below:
+            return self.cluster
+        return 1
+
     def __str__(self) -> str:
         lines = [
             f"{self.op} {self.dtype} rows={self.rows} cols={self.cols} on {self.device}",
@@ -110,7 +119,8 @@ class Plan:
                 f"  padding            {self.padding}",
             ]
         if self.variant is Variant.CLUSTER:
-            lines.append(f"  cluster            {self.cluster} blocks per row")
+            at = " (set at launch)" if self.launch_cluster > 1 else ""
+            lines.append(f"  cluster            {self.cluster} blocks per row{at}")
             if self.rows_per_pass > 1:
                 lines.append(f"  rows_per_pass      {self.rows_per_pass} (gamma and beta read "
                              "once for them)")

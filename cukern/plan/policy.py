@@ -257,6 +257,9 @@ class OpPolicy:
     # takes float32 weight and bias with 16-bit data (Switches.float32_params): planned as the
     # uncached kernel, the one instantiated for them (kernels/norm.cuh)
     float32_params: bool = False
+    # cluster kernels whose packs are narrower than this many bytes take the cluster's size at
+    # launch (Plan.launch_cluster): one instantiation for every size (0: never)
+    cluster_at_launch_below: int = 0
     # the family's signature: plan -> C++ name expression
     signature: Callable = field(default=None, repr=False, compare=False)
     # switch combinations this op's kernels were built for: the default first
