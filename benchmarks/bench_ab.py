@@ -5,10 +5,11 @@ For changes meant to cost no speed (a refactor, a kernel rewrite): every shape s
 within 1 point of % of copy.
 
     python benchmarks/bench_ab.py --base DIR [--rounds 3] [--quick] [--out benchmarks/results]
-        [--family softmax,norm] [--ops softmax,...] [--min-cols 65536]
+        [--family softmax,norm] [--ops softmax,...] [--min-cols 65536] [--col-offset -1]
 
 ``--ops`` and ``--min-cols`` time a subset (the results of the other shapes are kept from the
-last run, as for ``--family``).
+last run, as for ``--family``). ``--col-offset N`` times rows of N columns more than the sweep's
+(-1: odd rows, packs of one element), as benchmark ``ab_cols<N>`` (its own results).
 
 DIR holds the base tree's ``cukern/`` and ``kernels/`` (e.g. ``git archive REV | tar -x -C
 DIR``). Writes ab_<device>.json and .png and prints the table.
@@ -59,8 +60,9 @@ def np_dtype(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
-def cases(quick: bool):
+def cases(quick: bool, offset: int = 0):
     cols_list = [32, 1024, 32768, 262144] if quick else _bench.default_cols(32, 262144)
+    cols_list = [c + offset for c in cols_list if c + offset > 0]
     out = []
     for dtype in DTYPES:
         for cols in cols_list:
@@ -233,12 +235,15 @@ def main() -> None:
     ap.add_argument("--family", default="softmax,norm")
     ap.add_argument("--ops", default="", help="only these ops (labels, comma-separated)")
     ap.add_argument("--min-cols", type=int, default=0, help="only rows of at least this many")
+    ap.add_argument("--col-offset", type=int, default=0,
+                    help="columns added to each of the sweep's (-1: odd rows)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     base = load_base(args.base)
     fams = set(args.family.split(","))
     ops = set(args.ops.split(",")) if args.ops else None
-    case_list = [c for c in cases(args.quick) if c[0] in fams and c[7] >= args.min_cols
+    case_list = [c for c in cases(args.quick, args.col_offset) if c[0] in fams
+                 and c[7] >= args.min_cols
                  and (ops is None or c[1] in ops)]
     prewarm(base, case_list)
     prewarm(cukern, case_list)
@@ -252,7 +257,8 @@ def main() -> None:
     from _results import Run  # benchmarks/_results.py
 
     base_name = args.base_name or args.base
-    result = Run(args.out, "ab", device, quick=args.quick)
+    name = f"ab_cols{args.col_offset:+d}" if args.col_offset else "ab"
+    result = Run(args.out, name, device, quick=args.quick)
     payload = result.merge_previous(  # the shapes this run did not time are kept
         {"base": base_name, "results": rows}, key=lambda r: (r["op"], r["dtype"], r["cols"]))
     result.save(payload)
