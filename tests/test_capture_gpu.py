@@ -160,25 +160,40 @@ def test_norm_backward_partial_sums(op, dtype, path, rng):
 @pytest.mark.parametrize("op", ["layer_norm", "layer_norm_backward"])
 def test_clusters_sized_at_launch(op, rng):
     """Odd rows past one block's shared memory: clusters whose kernel reads its size at run time,
-    launched through cuLaunchKernelEx with the size as an attribute, captured and replayed."""
+    launched through cuLaunchKernelEx with the size as an attribute, captured into a graph and
+    replayed into poisoned results: the same bits as the eager call."""
     if not cukern.DeviceSpec.from_device().has_clusters:
         pytest.skip("needs thread-block clusters (sm_90)")
     cols = 10**5 + 3
     x = randn(rng, (8, cols), "float16")
     w = randn(rng, (cols,), "float16", shift=1.0)
-    if op == "layer_norm":
-        def run():
+    dy = randn(rng, (8, cols), "float16")
+    _, mean, rstd = cukern.layer_norm(x, cols, w, return_stats=True)
+
+    def run():
+        if op == "layer_norm":
             return cukern.layer_norm(x, cols, w, return_stats=True)
-    else:
-        dy = randn(rng, (8, cols), "float16")
-        _, mean, rstd = cukern.layer_norm(x, cols, w, return_stats=True)
+        return cukern.layer_norm_backward(dy, x, mean, rstd, w)
 
-        def run():
-            return cukern.layer_norm_backward(dy, x, mean, rstd, w)
-
-    capture_and_replay(run, TOL["float16"])
+    cukern.release_capture_memory()
+    expected = [cp.asnumpy(a) for a in _flat(run())]
     plan = ln_mod.last_plan(op)
     assert plan.launch_cluster == plan.cluster > 1, plan
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            res = _flat(run())
+        finally:
+            graph = stream.end_capture()
+        for a in res:
+            _poison(a)
+        graph.launch(stream)
+    stream.synchronize()
+    for got, want in zip(res, expected, strict=True):
+        assert np.array_equal(cp.asnumpy(got).view(np.uint8), want.view(np.uint8))
+    cukern.release_capture_memory()
 
 
 def test_layer_norm_copies(rng):
