@@ -34,7 +34,7 @@ __device__ __forceinline__ unsigned cluster_rank() {
 
 // Cluster kernels take their size as a template argument CLUSTER (with __cluster_dims__), or,
 // with CLUSTER == 0, as a launch attribute (cuLaunchKernelEx): one instantiation for every size,
-// which the norms use for packs narrower than 16 bytes (cukern/families/norm.py).
+// which the forward norms use for packs narrower than 16 bytes (cukern/families/norm.py).
 constexpr int kMaxCluster = 16;  // the non-portable maximum (the host opts kernels in past 8)
 // This block's cluster's size, its index along the grid, and the number of clusters.
 __device__ __forceinline__ int cluster_size() {
@@ -212,10 +212,9 @@ __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool
   return merge_cluster<CLUSTER>(allreduce_block(v, phase), n, b, last, meanwhile);
 }
 
-// The same all-reduce with no cluster barrier a call: threads 0..n-1 (n: the cluster's size, as
-// in merge_cluster) send the block's state to every block (its inbox slot `rank`) with
-// cluster_store_async, counted off that block's mbarrier; each block waits on its own mbarrier
-// for the n states, and every warp merges
+// The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
+// to every block (its inbox slot `rank`) with cluster_store_async, counted off that block's
+// mbarrier; each block waits on its own mbarrier for the CLUSTER states, and every warp merges
 // them from its own shared memory (the same states in the same butterfly: bit-identical results
 // in every block). A cluster barrier only on the first call (every block's mbarriers initialised
 // before anyone sends) and the last (`last`: no block exits while a store to it may be on its
@@ -229,9 +228,10 @@ __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool
 // L1 invalidation, which nothing hides where a block is alone on its SM (the norms' backward);
 // where blocks share an SM, allreduce_cluster is faster (docs/notes/kernels.md).
 template <int CLUSTER, typename S>
-__device__ __forceinline__ S allreduce_cluster_async(S v, int n, unsigned& phase, bool last) {
+__device__ __forceinline__ S allreduce_cluster_async(S v, unsigned& phase, bool last) {
+  static_assert(CLUSTER > 0, "the cluster's size compiled in");
   static_assert(sizeof(S) % 4 == 0, "a state is whole 4-byte words");
-  __shared__ S inbox[2][CLUSTER > 0 ? CLUSTER : kMaxCluster];
+  __shared__ S inbox[2][CLUSTER];
   __shared__ unsigned long long arrived[2];
   const unsigned call = phase, b = call & 1u;
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -243,18 +243,15 @@ __device__ __forceinline__ S allreduce_cluster_async(S v, int n, unsigned& phase
     }
     cluster_sync();
   }
-  if (tid == 0) mbarrier_arrive_expect(&arrived[b], n * sizeof(S));
+  if (tid == 0) mbarrier_arrive_expect(&arrived[b], CLUSTER * sizeof(S));
   v = allreduce_block(v, phase);
-  if (tid < n) {
+  if (tid < CLUSTER) {
     v.put_remote(cluster_map(&inbox[b][cluster_rank()], tid), cluster_map(&arrived[b], tid));
   }
   mbarrier_wait(&arrived[b], (call >> 1) & 1u);
   const int lane = static_cast<int>(lane_id());
-  // every group of N lanes merges all the states, in the same order
-  const S w = with_cluster_width<CLUSTER>(n, [&](auto width) {
-    constexpr int N = decltype(width)::value;
-    return allreduce_group(inbox[b][lane % N], N);
-  });
+  // every group of CLUSTER lanes merges all the states, in the same order
+  const S w = allreduce_group(inbox[b][lane % CLUSTER], CLUSTER);
   if (last) cluster_sync();
   return w;
 }
@@ -267,27 +264,15 @@ __device__ __forceinline__ void cluster_pack_range(int num_packs, int cluster, u
   p1 = min(num_packs, p0 + per);
 }
 
-// The cluster's size n: CLUSTER, or where CLUSTER is 0 a member set from the launch.
-template <int CLUSTER> struct ClusterBlocks {
-  static constexpr int n = CLUSTER;
-  __device__ __forceinline__ explicit ClusterBlocks(int) {}
-};
-template <> struct ClusterBlocks<0> {
-  int n;
-  __device__ __forceinline__ explicit ClusterBlocks(int size) : n(size) {}
-};
-
-// BlockReduce's interface (reduce.cuh) over a cluster of n blocks (ClusterBlocks): operator() is
+// BlockReduce's interface (reduce.cuh) over a cluster of CLUSTER blocks: operator() is
 // allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
-template <int CLUSTER> struct ClusterReduce : ClusterBlocks<CLUSTER> {
+template <int CLUSTER> struct ClusterReduce {
   static constexpr bool kCluster = true;
-  using ClusterBlocks<CLUSTER>::n;
+  static constexpr int n = CLUSTER;  // blocks a cluster
   unsigned phase = 0, block_phase = 0;
-  __device__ __forceinline__ explicit ClusterReduce(int size = CLUSTER)
-      : ClusterBlocks<CLUSTER>(size) {}
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<CLUSTER>(v, n, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER>(v, CLUSTER, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
@@ -297,7 +282,30 @@ template <int CLUSTER> struct ClusterReduce : ClusterBlocks<CLUSTER> {
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster<CLUSTER>(v, n, phase++ & 1u, last, meanwhile);
+    return merge_cluster<CLUSTER>(v, CLUSTER, phase++ & 1u, last, meanwhile);
+  }
+  __device__ __forceinline__ void finish() { cluster_wait(); }
+};
+
+// The same over a cluster whose size is set at launch (read once).
+template <> struct ClusterReduce<0> {
+  static constexpr bool kCluster = true;
+  int n;  // blocks a cluster
+  unsigned phase = 0, block_phase = 0;
+  __device__ __forceinline__ ClusterReduce() : n(cluster_size()) {}
+  template <typename S, typename F>
+  __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
+    return allreduce_cluster<0>(v, n, phase, last, meanwhile);
+  }
+  template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
+    return (*this)(v, last, [] {});
+  }
+  template <typename S> __device__ __forceinline__ S block(const S& v) {
+    return allreduce_block(v, block_phase);
+  }
+  template <typename S, typename F>
+  __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
+    return merge_cluster<0>(v, n, phase++ & 1u, last, meanwhile);
   }
   __device__ __forceinline__ void finish() { cluster_wait(); }
 };

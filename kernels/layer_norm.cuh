@@ -644,11 +644,11 @@ __device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS, T);
   constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
-  const int num_packs = cols / PACK, n = CLUSTER > 0 ? CLUSTER : cluster_size();
+  ClusterReduce<CLUSTER> reduce;
+  const int num_packs = cols / PACK, n = reduce.n;
   int p0, p1;
   cluster_pack_range(num_packs, n, rank, p0, p1);
   const int slice = (num_packs + n - 1) / n * PACK;  // the widest block's
-  ClusterReduce<CLUSTER> reduce(n);
   const i64 cluster = CLUSTER > 0 ? blockIdx.x / CLUSTER : cluster_index();
   const i64 clusters = CLUSTER > 0 ? gridDim.x / CLUSTER : cluster_count();
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V, ROWS>(

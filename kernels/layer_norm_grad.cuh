@@ -5,7 +5,6 @@
 //   *_warp            a group of blockDim.x lanes owns a row held in registers (cols <= 1024)
 //   *_block_smem      one block per row, the row cached in shared memory in its storage type
 //   *_cluster         a cluster of CLUSTER blocks per row (sm_90), each caching a slice
-//   *_cluster_dyn     the same with the cluster's size set at launch (packs under 16 bytes)
 //   *_block_uncached  one block per row, the row read again from global memory
 #pragma once
 #include "cluster.cuh"
@@ -92,7 +91,6 @@ template <typename T, typename C> struct PairLoad {
       const typename Num<T>::compute *rstd, const P *gamma, T *dx,                             \
       typename Num<T>::compute *dw, typename Num<T>::compute *db, i64 rows, int cols, i64 sdy,  \
       i64 sx, i64 sdx
-#define CUKERN_NORM_BWD_ARGS dy, x, mean, rstd, gamma, dx, dw, db, rows, cols, sdy, sx, sdx
 
 #define CUKERN_NORM_BWD_SETUP(P)                                                               \
   typedef typename Num<T>::compute C;                                                          \
@@ -574,33 +572,21 @@ __global__ void __launch_bounds__(1024) layer_norm_grad_block_uncached(CUKERN_NO
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
 // Each block of the cluster caches its slice of the row (see grad_cached); the cluster's
-// partial row of column sums is written by its blocks, a slice each. CLUSTER blocks a cluster,
-// or with CLUSTER == 0 the size set at launch (layer_norm_grad_cluster_dyn, cluster.cuh).
-template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS, bool GAMMA>
-__device__ __forceinline__ void grad_cluster_rows(CUKERN_NORM_BWD_PARAMS(T)) {
-  CUKERN_NORM_BWD_SETUP(T);
-  const int num_packs = cols / PACK, n = CLUSTER > 0 ? CLUSTER : cluster_size();
-  const int slice = (num_packs + n - 1) / n * PACK;  // values per slice
-  int p0, p1;
-  cluster_pack_range(num_packs, n, cluster_rank(), p0, p1);
-  auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
-    return allreduce_cluster_async<CLUSTER>(s, n, phase, last);
-  };
-  const unsigned cluster = CLUSTER > 0 ? blockIdx.x / CLUSTER : cluster_index();
-  grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
-      aligned_dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, cluster, rows,
-      CLUSTER > 0 ? gridDim.x / CLUSTER : cluster_count(), cols, slice, p0, p1, cluster, reduce);
-}
-
+// partial row of column sums is written by its blocks, a slice each.
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool REGS, bool GAMMA>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 layer_norm_grad_cluster(CUKERN_NORM_BWD_PARAMS(T)) {
-  grad_cluster_rows<T, ALGO, PACK, CLUSTER, WEIGHT, REGS, GAMMA>(CUKERN_NORM_BWD_ARGS);
-}
-
-template <typename T, int ALGO, int PACK, bool WEIGHT, bool REGS, bool GAMMA>
-__global__ void __launch_bounds__(1024) layer_norm_grad_cluster_dyn(CUKERN_NORM_BWD_PARAMS(T)) {
-  grad_cluster_rows<T, ALGO, PACK, 0, WEIGHT, REGS, GAMMA>(CUKERN_NORM_BWD_ARGS);
+  CUKERN_NORM_BWD_SETUP(T);
+  const int num_packs = cols / PACK;
+  const int slice = (num_packs + CLUSTER - 1) / CLUSTER * PACK;  // values per slice
+  int p0, p1;
+  cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
+  auto reduce = [&](const Sums<C, NSUM>& s, bool last) {
+    return allreduce_cluster_async<CLUSTER>(s, phase, last);
+  };
+  grad_cached<LAYER, WEIGHT, REGS, GAMMA, PACK, NSUM, NACC>(
+      aligned_dynamic_smem<T>(), ld_xdy, ld_g, st, mean, rstd, dw, db, blockIdx.x / CLUSTER, rows,
+      gridDim.x / CLUSTER, cols, slice, p0, p1, blockIdx.x / CLUSTER, reduce);
 }
 #endif
 
@@ -737,6 +723,5 @@ norm_param_grad_reduce(const typename Num<T>::compute* partial, T* dw, T* db, i6
 
 #undef CUKERN_NORM_BWD_PARAMS
 #undef CUKERN_NORM_BWD_SETUP
-#undef CUKERN_NORM_BWD_ARGS
 
 }  // namespace cukern

@@ -32,8 +32,8 @@
 //
 // Only what sizes a register array or changes memory traffic is a template argument: the storage
 // type, ALGO (0 layer norm, 1 RMS norm), PACK, the per-lane register row (CPT values, RPA rows),
-// the cluster size (at packs of 16 bytes; narrower packs' *_cluster_dyn kernels read it at run
-// time: one instantiation for every size), the forward's fused RESIDUAL (a read and a write more),
+// the cluster size (the forward's packs under 16 bytes: layer_norm_cluster_dyn reads it at run
+// time, one instantiation for every size), the forward's fused RESIDUAL (a read and a write more),
 // the forward cluster kernels' WEIGHT and BIAS (run-time presence cost them 1-6 points), whether a
 // cached forward block overlaps its rows (OVERLAP: a loop of different registers), the backward's
 // WEIGHT, and for a cached backward with WEIGHT where its column sums live (REGS) and whether gamma

@@ -867,15 +867,20 @@ def test_max_active_clusters():
     from cukern.plan import plan_rowwise
 
     occ = runner.driver_occupancy(0)
-    # 16-byte packs (the size compiled in), and packs of one element (the size set at launch)
-    for cols, at_launch in ((65536, False), (65535, True)):
-        plan = plan_rowwise("layer_norm_backward", 1000, cols, "float16", spec(), occ,
-                            switches=Switches(weight=True))
+    plan = plan_rowwise("layer_norm_backward", 1000, 65536, "float16", spec(), occ,
+                        switches=Switches(weight=True))
+    assert plan.variant is Variant.CLUSTER
+    n = occ.max_clusters(plan)
+    assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
+    assert plan.grid == n * plan.cluster
+    # a forward cluster of 16-byte packs (its size compiled in) and of one-element packs (its
+    # size a launch attribute): the driver answers both
+    for cols, at_launch in ((262144, False), (262143, True)):
+        plan = plan_rowwise("layer_norm", 512, cols, "float32", spec(), occ)
         assert plan.variant is Variant.CLUSTER
         assert (plan.launch_cluster > 1) is at_launch, plan
         n = occ.max_clusters(plan)
         assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
-        assert plan.grid == n * plan.cluster
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,10 +9,10 @@ warp and block kernels read weight and bias at run time, absent as null pointers
 instantiation serves every Switches of a residual setting, while its clusters keep them as
 switches: run-time presence cost them 1-6 points of copy speed). Float32 weight and bias with
 float16 or bfloat16 data (Switches.float32_params) run the uncached kernels with their type P =
-float, the only kernels instantiated for them (P defaults to T). Cluster kernels of packs
-under 16 bytes (misaligned or odd rows) take the cluster's size at launch (``*_cluster_dyn``,
-``Plan.launch_cluster``): one instantiation for every size, where the size compiled in keeps the
-16-byte packs' kernels as measured::
+float, the only kernels instantiated for them (P defaults to T). The forward's cluster kernels
+of packs under 16 bytes (misaligned or odd rows) take the cluster's size at launch
+(``layer_norm_cluster_dyn``, ``Plan.launch_cluster``): one instantiation for every size, where
+16-byte packs keep it compiled in (docs/notes/kernels.md, "Cluster sizes set at launch")::
 
     layer_norm_warp<T, ALGO, PACK, CPT, RPA, R>
     layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP>
@@ -23,7 +23,6 @@ under 16 bytes (misaligned or odd rows) take the cluster's size at launch (``*_c
     layer_norm_grad_block_smem<T, ALGO, PACK, W, REGS, GAMMA>
     layer_norm_grad_block_uncached<T, ALGO, PACK, W[, P]>
     layer_norm_grad_cluster<T, ALGO, PACK, CLUSTER, W, REGS, GAMMA>
-    layer_norm_grad_cluster_dyn<T, ALGO, PACK, W, REGS, GAMMA>
     norm_param_grad_partial<T, ALGO, PACK>, norm_param_grad_reduce<T>   (auxiliary)
 """
 
@@ -102,11 +101,12 @@ def aux_kernels(op: str):
 
 
 _NORM = dict(strided=False, cluster_threads_per_sm=1536, rows_overlap=False, smem_align=128,
-             signature=name_expression, float32_params=True, cluster_at_launch_below=16)
+             signature=name_expression, float32_params=True)
 _TF = (False, True)
 _FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
                 switches=("weight", "bias", "residual"), overlap_with_residual=True,
-                split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16)
+                split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16,
+                cluster_at_launch_below=16)
 _BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2,
                  switches=("weight",), switch_sets=(Switches(), Switches(weight=True)))
 
