@@ -35,7 +35,6 @@ __device__ __forceinline__ unsigned cluster_rank() {
 // Cluster kernels take their size as a template argument CLUSTER (with __cluster_dims__), or,
 // with CLUSTER == 0, as a launch attribute (cuLaunchKernelEx): one instantiation for every size,
 // which the forward norms use for packs narrower than 16 bytes (cukern/families/norm.py).
-constexpr int kMaxCluster = 16;  // the non-portable maximum (the host opts kernels in past 8)
 // This block's cluster's size, its index along the grid, and the number of clusters.
 __device__ __forceinline__ int cluster_size() {
   unsigned n;
@@ -51,28 +50,6 @@ __device__ __forceinline__ unsigned cluster_count() {
   unsigned n;
   asm("mov.u32 %0, %%nclusterid.x;" : "=r"(n));
   return n;
-}
-template <int N> struct ClusterWidth {
-  static constexpr int value = N;
-};
-// Calls f(ClusterWidth<N>()) with N = CLUSTER, or for CLUSTER == 0 the cluster's size n (2, 4, 8
-// or 16: the planner's sizes; any other traps), so that the reductions across the blocks' states
-// (a few shuffles on every row's critical path) see their width at compile time either way.
-template <int CLUSTER, typename F>
-__device__ __forceinline__ auto with_cluster_width(int n, const F& f) {
-  if constexpr (CLUSTER > 0) {
-    return f(ClusterWidth<CLUSTER>());
-  } else {
-    static_assert(kMaxCluster == 16, "the cases below");
-    switch (n) {
-      case 2: return f(ClusterWidth<2>());
-      case 4: return f(ClusterWidth<4>());
-      case 8: return f(ClusterWidth<8>());
-      case 16: return f(ClusterWidth<16>());
-      default: __trap();
-    }
-    return f(ClusterWidth<16>());  // not reached
-  }
 }
 // The shared-memory address of `p` in the block of cluster rank `rank`.
 __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
@@ -163,6 +140,14 @@ template <typename C> __device__ __forceinline__ MaxSum<C> MaxSum<C>::remote(uns
 // ---------------------------------------------------------------------------------------------
 // All-reduces across the blocks of a cluster.
 
+// The merge of the cluster's N blocks' states (`slot` in each block's shared memory) over groups
+// of N lanes of a warp (N its size): the first group holds every rank's state.
+template <int N, typename S>
+__device__ __forceinline__ S merge_ranks(const S* slot, unsigned lane) {
+  const S ranks = lane < N ? S::remote(cluster_map(slot, lane)) : S::identity();
+  return allreduce_group(ranks, N);
+}
+
 // Merges the blocks' states over a whole cluster (sm_90), given each block's state (the same in
 // every thread of the block): warp 0 of each block merges them from distributed shared memory
 // in rank order (every block gets bit-identical results) and hands the result to its block.
@@ -189,12 +174,18 @@ __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool l
   cluster_wait();  // every block's state is written
   if (reader) {
     const unsigned lane = tid;
-    // groups of N lanes (the cluster's size): the first holds every rank's state
-    const S w = with_cluster_width<CLUSTER>(n, [&](auto width) {
-      constexpr int N = decltype(width)::value;
-      const S ranks = lane < N ? S::remote(cluster_map(&slot[b], lane)) : S::identity();
-      return allreduce_group(ranks, N);
-    });
+    S w;
+    if constexpr (CLUSTER > 0) {
+      w = merge_ranks<CLUSTER>(&slot[b], lane);
+    } else {  // the reduction's width at compile time: the planner's sizes (any other traps)
+      switch (n) {
+        case 2: w = merge_ranks<2>(&slot[b], lane); break;
+        case 4: w = merge_ranks<4>(&slot[b], lane); break;
+        case 8: w = merge_ranks<8>(&slot[b], lane); break;
+        case 16: w = merge_ranks<16>(&slot[b], lane); break;
+        default: __trap();
+      }
+    }
     if (lane == 0) result[b] = w;
   }
   if (last) cluster_arrive(reader);  // this block's reads are done; cluster_wait() before exit
