@@ -255,38 +255,24 @@ __device__ __forceinline__ void cluster_pack_range(int num_packs, int cluster, u
   p1 = min(num_packs, p0 + per);
 }
 
-// BlockReduce's interface (reduce.cuh) over a cluster of CLUSTER blocks: operator() is
-// allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
-template <int CLUSTER> struct ClusterReduce {
-  static constexpr bool kCluster = true;
-  static constexpr int n = CLUSTER;  // blocks a cluster
-  unsigned phase = 0, block_phase = 0;
-  template <typename S, typename F>
-  __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<CLUSTER>(v, CLUSTER, phase, last, meanwhile);
-  }
-  template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
-    return (*this)(v, last, [] {});
-  }
-  template <typename S> __device__ __forceinline__ S block(const S& v) {
-    return allreduce_block(v, block_phase);
-  }
-  template <typename S, typename F>
-  __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster<CLUSTER>(v, CLUSTER, phase++ & 1u, last, meanwhile);
-  }
-  __device__ __forceinline__ void finish() { cluster_wait(); }
+// The cluster's size n: CLUSTER, or where CLUSTER is 0 the size set at launch (read once).
+template <int CLUSTER> struct ClusterSize {
+  static constexpr int n = CLUSTER;
+};
+template <> struct ClusterSize<0> {
+  int n;
+  __device__ __forceinline__ ClusterSize() : n(cluster_size()) {}
 };
 
-// The same over a cluster whose size is set at launch (read once).
-template <> struct ClusterReduce<0> {
+// BlockReduce's interface (reduce.cuh) over a cluster of n blocks (ClusterSize): operator() is
+// allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
+template <int CLUSTER> struct ClusterReduce : ClusterSize<CLUSTER> {
+  using ClusterSize<CLUSTER>::n;
   static constexpr bool kCluster = true;
-  int n;  // blocks a cluster
   unsigned phase = 0, block_phase = 0;
-  __device__ __forceinline__ ClusterReduce() : n(cluster_size()) {}
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<0>(v, n, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER>(v, n, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
@@ -296,7 +282,7 @@ template <> struct ClusterReduce<0> {
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster<0>(v, n, phase++ & 1u, last, meanwhile);
+    return merge_cluster<CLUSTER>(v, n, phase++ & 1u, last, meanwhile);
   }
   __device__ __forceinline__ void finish() { cluster_wait(); }
 };
