@@ -319,6 +319,13 @@ def _align(ptr_align: int) -> int:
     return min(16, a & -a) if a > 0 else 16
 
 
+# The tuning's switches that name element sizes, and what takes them.
+_SIZE_SWITCHES = (("perm_byte_regs", REGS_SIZES, "the register transpose"),
+                  ("perm_flat_regs", FLAT_SIZES, "the flat-run interleave"),
+                  ("perm_flat_split", WORDS, "a flat split output run"),
+                  ("perm_skew_regs", SKEW_SIZES, "the skewed-column phase 2"))
+
+
 def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = None, *,
                  in_align: int = 16, out_align: int = 16, signature=None,
                  label: str = "", tuning: Tuning | None = None) -> PermutePlan:
@@ -342,22 +349,14 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
     if threads > MAX_THREADS or threads % 32:
         raise ValueError(f"plan: perm_threads {threads}: the kernels take a multiple of 32 up "
                          f"to {MAX_THREADS}")
-    if not set(tuning.perm_byte_regs) <= set(REGS_SIZES):
-        raise ValueError(f"plan: perm_byte_regs {tuning.perm_byte_regs}: the register "
-                         f"transpose takes element sizes {REGS_SIZES}")
-    if not set(tuning.perm_flat_regs) <= set(FLAT_SIZES):
-        raise ValueError(f"plan: perm_flat_regs {tuning.perm_flat_regs}: the flat-run "
-                         f"interleave takes element sizes {FLAT_SIZES}")
+    for name, sizes, what in _SIZE_SWITCHES:
+        if not set(getattr(tuning, name)) <= set(sizes):
+            raise ValueError(f"plan: {name} {getattr(tuning, name)}: {what} takes element "
+                             f"sizes {sizes}")
     words = tuning.perm_skew_words
     if len(words) != len(SKEW_SIZES) or not set(words) <= {1, 2, 4, 8, 16}:
         raise ValueError(f"plan: perm_skew_words {words}: one of 1, 2, 4, 8, 16 for each "
                          f"element size {SKEW_SIZES}")
-    if not set(tuning.perm_flat_split) <= set(WORDS):
-        raise ValueError(f"plan: perm_flat_split {tuning.perm_flat_split}: element sizes of "
-                         f"{WORDS}")
-    if not set(tuning.perm_skew_regs) <= set(SKEW_SIZES):
-        raise ValueError(f"plan: perm_skew_regs {tuning.perm_skew_regs}: the skewed-column "
-                         f"phase 2 takes element sizes {SKEW_SIZES}")
     ia, oa = _align(in_align), _align(out_align)
     dims, elem, in_base, out_base = fold_inner(simple.dims, itemsize, ia, oa,
                                                simple.in_offset, simple.out_offset)
