@@ -87,12 +87,17 @@ def driver_function(name: str, argtypes):
     return _driver_functions[name]
 
 
-def _launch_ex(config: LaunchConfig, function: int, params: int) -> None:
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx; RuntimeError where the driver lacks it."""
     fn = driver_function("cuLaunchKernelEx", [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
                                              ctypes.c_void_p, ctypes.c_void_p])
     if fn is None:
         raise RuntimeError("cuLaunchKernelEx is missing from the CUDA driver: clusters sized at "
                            "launch need a driver of CUDA 12 or newer")
+    return fn
+
+
+def _launch_ex(fn, config: LaunchConfig, function: int, params: int) -> None:
     config.hStream = _current_stream().ptr or None
     status = fn(ctypes.byref(config), function, params, None)
     if status:
@@ -135,8 +140,8 @@ class RawLaunch:
     passes the leading arguments and launches on CuPy's current stream. ``cluster > 1``: the
     kernel reads its cluster's size at run time, and launches with it as an attribute."""
 
-    __slots__ = ("function", "config", "tail", "_ex", "_keep", "_slots", "_params", "_nargs",
-                 "_lock")
+    __slots__ = ("function", "config", "tail", "_ex", "_ex_fn", "_keep", "_slots", "_params",
+                 "_nargs", "_lock")
 
     def __init__(self, function: int, grid, block, smem: int = 0, tail: tuple = (),
                  cluster: int = 1):
@@ -147,6 +152,7 @@ class RawLaunch:
         self.config = (*map(int, g), *map(int, b), int(smem or 0))
         # built once; its stream is set at each launch, under the lock
         self._ex = launch_config(g, b, smem, cluster) if cluster > 1 else None
+        self._ex_fn = None  # cuLaunchKernelEx, looked up at the first launch of clusters
         self.tail = tuple(t if isinstance(t, ByValue) else _slot(t) for t in tail)
         self._nargs = -1
         self._lock = threading.Lock()
@@ -194,10 +200,12 @@ class RawLaunch:
                                _current_stream().ptr, self._params, 0)
 
     def _launch_clusters(self) -> None:
+        if self._ex_fn is None:
+            self._ex_fn = _launch_kernel_ex()
         try:
-            _launch_ex(self._ex, self.function, self._params)
+            _launch_ex(self._ex_fn, self._ex, self.function, self._params)
         except _DriverError as e:
             if e.status != _INVALID_CONTEXT:
                 raise
             _cp.cuda.runtime.free(0)  # as in __call__
-            _launch_ex(self._ex, self.function, self._params)
+            _launch_ex(self._ex_fn, self._ex, self.function, self._params)
