@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 import cukern
@@ -23,12 +22,12 @@ from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compile
     check,
     check_64_bit,
     check_misaligned,
-    check_out_buffer,
+    check_strided_into_buffer,
     clear_launches,
     device_from_raw,
     expected,
     host,
-    out_in_buffer,
+    item_size,
     plan_with,
     poison,
     put,
@@ -123,23 +122,19 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
     buffer (the model's cases, tiles down to 16 bytes): partial tiles, runs that end off the
     store word, flat input runs; the bytes around out= stay."""
     item, b, si, o_in, out_base = case
-    if np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize != item:
+    if item_size(dtype) != item:
         pytest.skip(f"a case of {item}-byte elements")
     plan_with(monkeypatch, perm_flat_regs=_flat_sizes(switch), perm_tile_min_bytes=16)
     base_h, base_d = put(rng, (b, 3, o_in), dtype)
-    xh, xd = base_h[:, :, :si], base_d[:, :, :si]
-    want = expected(xh, (0, 2, 1))
-    buf, o = out_in_buffer(want, out_base)
-    p = ops.plan_for(xd, (0, 2, 1), out=o)
     ref = flat_case_plan(case, dataclasses.replace(
         pp.tuning_for(None), perm_flat_regs=_flat_sizes(switch)))
-    assert (p.targs, p.tile, p.pitch, p.flat_regs) == \
-        (ref.targs, ref.tile, ref.pitch, 3 if switch else 0), str(p)
-    r = cukern.permute(xd, (0, 2, 1), out=o)
-    assert r.data.ptr == o.data.ptr
-    check_out_buffer(buf, want, out_base)
-    check(xd, xh, (0, 2, 1), out=False)  # and into a fresh contiguous output
-    assert_bits(base_d, base_h, "the input after the calls")
+
+    def plan_check(p):
+        assert (p.targs, p.tile, p.pitch, p.flat_regs) == \
+            (ref.targs, ref.tile, ref.pitch, 3 if switch else 0), str(p)
+
+    check_strided_into_buffer(base_d, base_h, base_d[:, :, :si], base_h[:, :, :si], (0, 2, 1),
+                              out_base, plan_check)
     clear_launches()
 
 

@@ -187,6 +187,28 @@ def check_out_buffer(buf, want: np.ndarray, out_base: int) -> None:
         "bytes beside out= were written"
 
 
+def check_strided_into_buffer(base_d, base_h, xd, xh: np.ndarray, axes, out_base: int,
+                              plan_check) -> None:
+    """x (``xd``, a view of ``base_d``) permuted into out= ``out_base`` elements into a buffer
+    (:func:`out_in_buffer`; ``plan_check(plan)`` asserts the op's plan for it) and into a fresh
+    output; the bytes beside out= and the input stay as they were."""
+    from cukern.ops import permute as ops
+
+    want = expected(xh, axes)
+    buf, o = out_in_buffer(want, out_base)
+    plan_check(ops.plan_for(xd, axes, out=o))
+    r = cukern.permute(xd, axes, out=o)
+    assert r.data.ptr == o.data.ptr
+    check_out_buffer(buf, want, out_base)
+    check(xd, xh, axes, out=False)
+    assert_bits(base_d, base_h, "the input after the calls")
+
+
+def item_size(dtype: str) -> int:
+    """Bytes an element of ``dtype`` (bfloat16 included, which NumPy lacks)."""
+    return np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
+
+
 def put_misaligned(rng, shape, axes, dtype, pad_in: int, pad_out: int):
     """(xh, xd, want, o, obuf): x of ``shape`` ``pad_in`` elements into its device buffer, out=
     of the permuted shape ``pad_out`` elements into ``obuf`` (filled with 0x5A before it, the

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 import cukern
@@ -23,12 +22,12 @@ from .test_permute_gpu import (  # noqa: F401  (warm_permute: the family compile
     check,
     check_64_bit,
     check_misaligned,
-    check_out_buffer,
+    check_strided_into_buffer,
     clear_launches,
     device_from_raw,
     expected,
     host,
-    out_in_buffer,
+    item_size,
     plan_with,
     poison,
     put,
@@ -54,10 +53,6 @@ def switch(request, monkeypatch):
     plan_with(monkeypatch, perm_skew_regs=pp.SKEW_SIZES if on else ())
     yield on
     clear_launches()
-
-
-def _size(dtype: str) -> int:
-    return np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
 
 
 # (shape, axes, whether the path runs for 1- and 2-byte elements with the switch on)
@@ -125,22 +120,18 @@ def test_strided_runs_off_the_words(case, dtype, switch, rng):
     elements into a buffer (the model's cases): partial tiles and columns, runs that end off
     the store word, L just over the word; the bytes around out= stay."""
     item, b, c, c_in, L, out_base = case
-    if _size(dtype) != item:
+    if item_size(dtype) != item:
         pytest.skip(f"a case of {item}-byte elements")
     base_h, base_d = put(rng, (b, L, c_in), dtype)
-    xh, xd = base_h[:, :, :c], base_d[:, :, :c]
-    want = expected(xh, (0, 2, 1))
-    buf, o = out_in_buffer(want, out_base)
-    p = ops.plan_for(xd, (0, 2, 1), out=o)
     ref = skew_case_plan(case, dataclasses.replace(
         pp.tuning_for(None), perm_skew_regs=pp.SKEW_SIZES if switch else ()))
-    assert (p.targs, p.tile, p.pitch, p.skew_regs) == \
-        (ref.targs, ref.tile, ref.pitch, switch), str(p)
-    r = cukern.permute(xd, (0, 2, 1), out=o)
-    assert r.data.ptr == o.data.ptr
-    check_out_buffer(buf, want, out_base)
-    check(xd, xh, (0, 2, 1), out=False)  # and into a fresh contiguous output
-    assert_bits(base_d, base_h, "the input after the calls")
+
+    def plan_check(p):
+        assert (p.targs, p.tile, p.pitch, p.skew_regs) == \
+            (ref.targs, ref.tile, ref.pitch, switch), str(p)
+
+    check_strided_into_buffer(base_d, base_h, base_d[:, :, :c], base_h[:, :, :c], (0, 2, 1),
+                              out_base, plan_check)
     clear_launches()
 
 
@@ -172,5 +163,5 @@ def test_64_bit_indices(case, dtype, switch, rng):
     p = ops.plan_for(xd, axes)
     takes = {(2, 28, 28, 512): (True, False), (2, 3, 3, 64): (False, True)}.get(shape,
                                                                                 (True, True))
-    assert p.skew_regs == (switch and takes[_size(dtype) - 1]), str(p)
+    assert p.skew_regs == (switch and takes[item_size(dtype) - 1]), str(p)
     check_64_bit(p, xd, xh, axes)
