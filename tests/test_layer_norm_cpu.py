@@ -158,6 +158,11 @@ def test_name_expressions():
     assert p.name_expression() == \
         "cukern::layer_norm_cluster_dyn<float, 0, 2, true, false, false, false, 3, 1>"
     assert f"{p.cluster} blocks per row (set at launch)" in str(p)
+    # the planner's cluster sizes are the ones the kernel's reductions are compiled for; any
+    # other is refused before a launch (the kernel would trap)
+    assert set(planner.tuning_for(H100).cluster_sizes) <= set(norm.LAUNCH_CLUSTER_SIZES)
+    with pytest.raises(ValueError, match="cluster of 3 blocks sized at launch"):
+        replace(p, cluster=3, grid=3).name_expression()
     p = plan_rowwise("layer_norm_backward", 8, 100001, "float16", H100, switches=WEIGHT)
     assert (p.variant, p.pack_size, p.launch_cluster) == (Variant.CLUSTER, 1, 1)
     assert p.name_expression().startswith(

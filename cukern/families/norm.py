@@ -32,10 +32,12 @@ import itertools
 
 from ..plan import CPP_TYPES, OpPolicy, Plan, Switches, Variant
 
-__all__ = ["POLICIES", "TEMPLATE_SWITCHES", "CLUSTER_SWITCHES", "template_switches",
-           "name_expression", "aux_kernels", "min_blocks"]
+__all__ = ["POLICIES", "LAUNCH_CLUSTER_SIZES", "TEMPLATE_SWITCHES", "CLUSTER_SWITCHES",
+           "template_switches", "name_expression", "aux_kernels", "min_blocks"]
 
 FORWARD, BACKWARD = "layer_norm", "layer_norm_grad"  # kernel sources
+# the cluster sizes layer_norm_cluster_dyn's reductions are compiled for (kernels/cluster.cuh)
+LAUNCH_CLUSTER_SIZES = (2, 4, 8, 16)
 
 
 # The switches that are template arguments, in the kernels' order: the forward's residual (a
@@ -84,6 +86,9 @@ def name_expression(plan: Plan) -> str:
     if sw.float32_params:  # the parameters' type P (the uncached kernels only)
         args.append(CPP_TYPES["float32"])
     dyn = "_dyn" if plan.launch_cluster > 1 else ""
+    if dyn and plan.cluster not in LAUNCH_CLUSTER_SIZES:  # the kernel traps on any other
+        raise ValueError(f"plan: a cluster of {plan.cluster} blocks sized at launch; "
+                         f"layer_norm_cluster_dyn takes {LAUNCH_CLUSTER_SIZES}")
     return f"cukern::{pol.kernel}_{v.value}{dyn}<{', '.join(map(str, args))}>"
 
 
