@@ -25,6 +25,7 @@ from .conftest import NVRTC_ARCHS, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
+TWO_PASS = dataclasses.replace(HOPPER, bn_one_read_max_bytes=0)  # no one-read training step
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 # Every batch-norm shape of the issue's benchmark (ResNet-50 at batch 64 and 256, BatchNorm1d,
@@ -172,7 +173,7 @@ def _elementwise_visits(plan_, view):
 ])
 def test_elementwise_passes_visit_each_pack_once_with_its_channel(shape, layout, dtype):
     for op in ("batch_norm", "batch_norm_backward"):
-        p = plan(op, shape, dtype, layout)
+        p = plan(op, shape, dtype, layout, tuning=TWO_PASS)
         view = p.view
         pack = p.pack
         visits = _elementwise_visits(p, view)
@@ -202,13 +203,13 @@ def test_flat_pack_for_small_planes():
     assert not bp.spans(bp.ChannelView(64, 1024, 196), 4)
     assert bp.spans(bp.ChannelView(64, 1024, 49), 8)
     assert not bp.spans(bp.ChannelView(64, 1024, 1), 8)
-    p = plan("batch_norm", (64, 2048, 7, 7), "float16")
+    p = plan("batch_norm", (64, 2048, 7, 7), "float16", tuning=TWO_PASS)
     assert p.pack == 8
     assert p.steps[0].targs == ("float16", 8, True)
     assert p.steps[-1].targs == ("float16", 8, False, False, True)
     assert bp.flat_args(p) == (64 * 2048 * 49 // 8, 2048 * 49 // 8, 49,
                                *bp.fast_div(49), 8)
-    p = plan("batch_norm", (64, 1024, 14, 14), "float16")
+    p = plan("batch_norm", (64, 1024, 14, 14), "float16", tuning=TWO_PASS)
     assert p.pack == 4 and p.steps[0].targs == ("float16", 4, False)
     assert p.steps[-1].targs == ("float16", 4, False, False, False)
     assert bp.flat_args(p) == (64 * 1024 * 196 // 4, 1024 * 49, 49, *bp.fast_div(49), 1)
@@ -306,9 +307,9 @@ def test_pack_for_columns(dtype, c, expected):
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
-    t = HOPPER
+    t = TWO_PASS  # the two passes (the one-read step: test_one_read_training_step)
     for op in OPS:
-        p = plan(op, shape, dtype, layout)
+        p = plan(op, shape, dtype, layout, tuning=t)
         a, c, b = p.view
         assert a * c * b == math.prod(shape)
         assert p.layout == (bp.PLANES if b > 1 else bp.COLUMNS)
@@ -433,7 +434,7 @@ def test_merge_is_a_block_a_channel_for_few_channels_and_many_splits():
     assert p.steps[1].grid == (64,) and p.steps[1].block == (32, fin)  # bn::Merger: block
     p = plan("batch_norm_backward", (64, 2048, 7, 7), "float16", "NHWC")
     assert p.steps[1].grid == (2048 // fin,)  # many channels: a warp each
-    p = plan("batch_norm", (16, 4096, 8), "float32")
+    p = plan("batch_norm", (16, 4096, 8), "float32", tuning=TWO_PASS)
     if p.splits <= 32 and p.steps[1].kind == "finalize":
         assert p.steps[1].grid == (4096 // fin,)
     # many splits, but enough channels for 1 / bn_block_merge_sm_fraction of the SMs in warp
@@ -466,12 +467,18 @@ def test_plan_rejects_samples_past_32_bits():
 def test_steps_per_op_and_mode():
     kinds = lambda p: [s.kind for s in p.steps]  # noqa: E731
     # one split a channel: the statistics kernel finishes the channels itself
-    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32")) == ["stats_planes", "apply"]
+    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32", tuning=TWO_PASS)) == [
+        "stats_planes", "apply"]
+    assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32")) == ["train_planes"]
+    # 4-byte packs (C * B odd: no spanning pack either): the two passes
+    assert kinds(plan("batch_norm", (8, 3, 3, 3), "float32")) == ["stats_planes", "apply"]
     assert kinds(plan("batch_norm", (256, 64, 56, 56), "float32")) == [
         "stats_planes", "finalize", "apply"]
     assert kinds(plan("batch_norm", (65536, 256), "float16")) == [
         "stats_cols", "finalize", "apply"]
-    assert kinds(plan("batch_norm", (64, 2048, 7, 7), "float16")) == ["stats_planes", "apply"]
+    assert kinds(plan("batch_norm", (64, 2048, 7, 7), "float16", tuning=TWO_PASS)) == [
+        "stats_planes", "apply"]
+    assert kinds(plan("batch_norm", (64, 2048, 7, 7), "float16")) == ["train_planes"]
     assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32", training=False)) == ["apply"]
     assert kinds(plan("batch_norm", (8, 16, 4, 4), "float32", training=False,
                       return_stats=True)) == ["finalize", "apply"]
@@ -484,8 +491,12 @@ def test_steps_per_op_and_mode():
         "grad_planes", "grad_finalize", "dx"]
     assert kinds(plan("batch_stats", (8, 16, 4), "float64")) == ["stats_planes"]
     assert kinds(plan("batch_stats", (4096, 16), "float64")) == ["stats_cols", "finalize"]
-    p = plan("batch_norm", (8, 16, 4, 4), "float16", addend=True, relu=True, mask=True)
+    p = plan("batch_norm", (8, 16, 4, 4), "float16", addend=True, relu=True, mask=True,
+             tuning=TWO_PASS)
     assert p.steps[-1].kernel == "cukern::batch_norm_apply<cukern::f16, 8, false, true, false>"
+    p = plan("batch_norm", (8, 16, 4, 4), "float16", addend=True, relu=True, mask=True)
+    assert p.kernel_names() == (
+        "cukern::batch_norm_train_planes<cukern::f16, 8, false, true>",)
     p = plan("batch_norm_backward", (256, 16, 64, 64), "bfloat16", "NHWC")
     # columns reductions keep bn_cols_reduce_max_pack channels a thread; dx the data's pack
     assert p.pack == 8 and p.steps[0].kernel == "cukern::batch_norm_grad_cols<cukern::bf16, 4>"
@@ -517,15 +528,17 @@ def test_reachable_sets_and_counts():
         by = registry.kernel_names(list(OPS), list(DTYPES), device)
         assert set(by) == {"batch_norm"}
         names = by["batch_norm"]
-        assert len(names) == 164
+        assert len(names) == 192
         assert len(names) <= 200  # the compile check's budget for the family
     per_dtype = {dt: len(registry.kernel_names(list(OPS), [dt], H100)["batch_norm"])
                  for dt in DTYPES}
     # (stats x2, grad x2) per pack + apply x4 + dx x2 per pack + finalize x2, and the planes
     # kernels (stats, grad, apply x2, dx) again with SPAN for the packs of 8 bytes or more
-    # where a narrower pack is under 8 bytes (fp16/bf16: 4, 8; fp32: 2, 4; fp64: none)
-    assert per_dtype == {"float16": 4 * 10 + 2 + 2 * 5, "bfloat16": 4 * 10 + 2 + 2 * 5,
-                         "float32": 3 * 10 + 2 + 2 * 5, "float64": 2 * 10 + 2}
+    # where a narrower pack is under 8 bytes (fp16/bf16: 4, 8; fp32: 2, 4; fp64: none); the
+    # one-read training kernel (x2: the addend) for the planes packs of 8 bytes or more
+    assert per_dtype == {"float16": 4 * 10 + 2 + 2 * 5 + 2 * 4,
+                         "bfloat16": 4 * 10 + 2 + 2 * 5 + 2 * 4,
+                         "float32": 3 * 10 + 2 + 2 * 5 + 2 * 4, "float64": 2 * 10 + 2 + 2 * 2}
 
 
 def test_reachable_covers_planner_output():
@@ -822,3 +835,46 @@ def test_few_large_planes_split_inside_planes():
     assert p.steps[0].grid[0] * p.splits >= H100.sms
     q = plan("batch_norm_backward", (1, 64, 1024, 1024), "float32")
     assert q.splits > 1
+
+
+def test_one_read_training_step():
+    """Training forward over planes takes the one-read kernel (a block a channel, grid C) where
+    the channel's packs (and the addend's) fit bn_one_read_max_bytes and the device's shared
+    memory and packs are at least bn_min_pack_bytes; else, and in every other op or layout,
+    the two passes."""
+    t = HOPPER
+    for shape, dtype, addend, one in [
+            ((64, 2048, 7, 7), "float16", False, True),     # spanning 16-byte packs
+            ((64, 1024, 14, 14), "bfloat16", True, True),    # 8-byte packs, x and addend
+            ((64, 512, 28, 28), "float16", False, True),     # 100352 bytes: the limit
+            ((64, 512, 28, 28), "float16", True, False),     # twice that with the addend
+            ((64, 256, 56, 56), "float16", False, False),    # 401 KB a channel
+            ((64, 2048, 7, 7), "float32", True, True),
+            ((8, 3, 3, 3), "float32", False, False)]:        # 4-byte packs
+        p = plan("batch_norm", shape, dtype, addend=addend, relu=True, mask=True)
+        assert p.one_read == one, (shape, dtype, addend)
+        if not one:
+            assert [s.kind for s in p.steps][-1] == "apply"
+            continue
+        (step,) = p.steps
+        a, c, b = p.view
+        packs = a * bp.plane_packs(b, p.pack)
+        assert step.smem == packs * p.pack * ITEMSIZE[dtype] * (2 if addend else 1)
+        assert step.smem <= t.bn_one_read_max_bytes and p.pack * ITEMSIZE[dtype] >= 8
+        assert step.grid == (c,) and step.block[0] % 32 == 0 and 64 <= step.block[0] <= 256
+        assert step.targs == (dtype, p.pack, bp.spans(p.view, p.pack), addend)
+        assert step.kernel == fam.name_expression(step)
+        text = str(p)
+        assert "one read" in text and f"{step.smem} bytes" in text and "two-pass" not in text
+    # other layouts, eval, the backward, batch_stats: never
+    assert not plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC").one_read
+    assert not plan("batch_norm", (64, 2048, 7, 7), "float16", training=False).one_read
+    for op in ("batch_norm_backward", "batch_stats"):
+        assert not plan(op, (64, 2048, 7, 7), "float16").one_read
+    # the tuning's limit, and a device whose opt-in shared memory is smaller than the channel
+    assert not plan("batch_norm", (64, 2048, 7, 7), "float16", tuning=TWO_PASS).one_read
+    big = dataclasses.replace(HOPPER, bn_one_read_max_bytes=1 << 20)
+    assert plan("batch_norm", (128, 64, 28, 28), "float16", tuning=big).one_read  # 196 KiB
+    t4 = DeviceSpec.t4()
+    assert not plan("batch_norm", (128, 64, 28, 28), "float16", device=t4, tuning=big).one_read
+    assert not plan("batch_norm", (64, 256, 56, 56), "float16", tuning=big).one_read  # 392 KiB

@@ -6,6 +6,7 @@ array past 2^31 elements (``-k "not 2_31"`` leaves it out)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import ml_dtypes
@@ -373,6 +374,75 @@ def test_larger_shapes(dtype, shape, layout, rng):
     for training in (True, False):
         case = Case(shape, order, dtype, "add_relu", training, rng)
         check_backward(case, check_forward(case, rng))
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-read training kernel (planes: a block a channel in shared memory) and the two passes
+
+
+# (shape, per dtype the one-read step's (pack bytes, spanning packs); None: the two passes)
+ONE_READ = [
+    ((4, 6, 5, 8), {"float16": (16, False), "bfloat16": (16, False), "float32": (16, False),
+                    "float64": (16, False)}),
+    ((6, 8, 7, 7), {"float16": (16, True), "bfloat16": (16, True), "float32": (16, True),
+                    "float64": (8, False)}),
+    ((3, 4, 10, 10), {"float16": (8, False), "bfloat16": (8, False), "float32": (16, False),
+                      "float64": (16, False)}),
+    ((2, 3, 33), {"float16": None, "bfloat16": None, "float32": None, "float64": (8, False)}),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,expect", ONE_READ, ids=[str(s) for s, _ in ONE_READ])
+def test_one_read_training(shape, expect, dtype, mode, rng):
+    """Training forward where the planner takes the one-read kernel (whole and spanning packs,
+    the addend, masks ending inside a word; narrow packs keep the two passes), the plan it
+    ran, and the backward after it."""
+    from cukern.ops import batch_norm as obn
+
+    case = Case(shape, None, dtype, mode, True, rng)
+    fwd = check_forward(case, rng)
+    plan = obn.last_plan("batch_norm")
+    want = expect[dtype]
+    assert plan.one_read == (want is not None), f"{dtype} {shape}: {plan}"
+    if want is not None:
+        step = plan.steps[0]
+        assert (plan.pack * np_dtype(dtype).itemsize, step.targs[2]) == want
+        assert step.targs[3] == case.add and step.grid == (plan.view.channels,)
+    check_backward(case, fwd)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_one_read_and_two_pass_agree(dtype, rng):
+    """The same training calls through the one-read kernel and through the two passes: y,
+    mean, invstd and the running statistics agree to rounding, the masks wherever y is
+    clear of 0; the largest channel the tuning holds (100352 bytes of float16: shared memory
+    past the 48 KiB default) included."""
+    from cukern.ops import batch_norm as obn
+
+    for shape in [(64, 32, 28, 28), (8, 24, 7, 7), (5, 3, 16, 16)]:
+        case = Case(shape, None, dtype, "relu", True, rng)
+        runs = []
+        for one_read in (True, False):
+            with contextlib.nullcontext() if one_read else obn.tuned(bn_one_read_max_bytes=0):
+                rm, rv = cp.asarray(case.rm), cp.asarray(case.rv)
+                got = cukern.batch_norm(case.xd, rm, rv, cp.asarray(case.w),
+                                        cp.asarray(case.b), True, relu=True, return_stats=True)
+                assert obn.last_plan("batch_norm").one_read == one_read, shape
+                runs.append([host(v) for v in (*got, rm, rv)])
+        (y1, m1, i1, k1, rm1, rv1), (y2, m2, i2, k2, rm2, rv2) = runs
+        tol = TOL[dtype] * growth(math.prod(shape) // shape[1])
+        for name, u, v in (("mean", m1, m2), ("invstd", i1, i2), ("running_mean", rm1, rm2),
+                           ("running_var", rv1, rv2)):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6, err_msg=f"{shape} {name}")
+        y1, y2 = y1.astype(np.float64), y2.astype(np.float64)
+        assert np.max(np.abs(y1 - y2)) <= tol * max(1.0, np.max(np.abs(y2))), shape
+        bits = lambda k: np.unpackbits(k.view(np.uint8), bitorder="little")  # noqa: E731
+        clear = (np.abs(y2) > 4 * tol).ravel()
+        n = y2.size
+        assert np.array_equal(bits(k1)[:n][clear], bits(k2)[:n][clear]), shape
+        assert not bits(k1)[n:].any() and not bits(k2)[n:].any(), "bits past the end set"
 
 
 # ---------------------------------------------------------------------------------------------

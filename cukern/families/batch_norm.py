@@ -10,6 +10,7 @@ Kernel signatures (every shape, split count and grid is read from the launch)::
     batch_norm_grad_planes<T, PACK, SPAN>     batch_norm_grad_cols<T, PACK>
     batch_norm_grad_finalize<C>
     batch_norm_dx<T, PACK, COLS, SPAN>
+    batch_norm_train_planes<T, PACK, SPAN, ADD>   (training forward in one read)
 
 SPAN (planes only; false for COLS): B is not a multiple of PACK, so a pack may span two
 channels' planes (7x7 in 16-byte packs: ``cukern.plan.batch_norm.spans``).
@@ -26,7 +27,8 @@ SOURCE = "batch_norm"
 _KERNELS = {"stats_planes": "batch_norm_stats_planes", "stats_cols": "batch_norm_stats_cols",
             "finalize": "batch_norm_finalize", "apply": "batch_norm_apply",
             "grad_planes": "batch_norm_grad_planes", "grad_cols": "batch_norm_grad_cols",
-            "grad_finalize": "batch_norm_grad_finalize", "dx": "batch_norm_dx"}
+            "grad_finalize": "batch_norm_grad_finalize", "dx": "batch_norm_dx",
+            "train_planes": "batch_norm_train_planes"}
 
 
 def _arg(v) -> str:

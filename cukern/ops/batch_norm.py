@@ -7,6 +7,9 @@ The public functions, their fast path and launch cache; the launches are in
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import numpy as np
 
 from .. import registry
@@ -444,6 +447,23 @@ def _batch_stats(x, axis, fresh_key):
             if fresh_key is not None and not copied and (ax.kind == "cupy" or ax.same_stream):
                 _fresh[fresh_key] = (plan, steps, dev)
     return ax.wrap(mean), ax.wrap(var)
+
+
+@contextlib.contextmanager
+def tuned(**changes):
+    """Plans every batch-norm call inside the block with these fields of the device's tuning
+    changed (``cukern.plan.policy.Tuning``; e.g. ``bn_one_read_max_bytes=0``: the two passes),
+    its launch caches emptied on entry and exit (tests and benchmarks; not thread-safe)."""
+    real = bnplan.tuning_for
+    bnplan.tuning_for = lambda device: dataclasses.replace(real(device), **changes)
+    _launches.clear()
+    _fresh.clear()
+    try:
+        yield
+    finally:
+        bnplan.tuning_for = real
+        _launches.clear()
+        _fresh.clear()
 
 
 def last_plan(op: str):

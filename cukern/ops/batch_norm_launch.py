@@ -29,6 +29,8 @@ class _Kernel(RawLaunch):
         self.kind = step.kind
         self.pack = step.targs[1] if len(step.targs) > 1 else 1  # elements a thread's access
         kern = _compile.get_kernel(_SOURCE, step.kernel, device_id)
+        if step.smem > kern.max_dynamic_shared_size_bytes:  # past the default 48 KiB
+            kern.max_dynamic_shared_size_bytes = step.smem
         super().__init__(kern.kernel.ptr, step.grid, step.block, step.smem)
 
 
@@ -48,7 +50,7 @@ class _Forward:
 
     __slots__ = ("plan", "device", "cdt", "nch", "words", "want_mask", "stats", "finalize", "apply",
                  "coef", "part_shape", "count", "training", "stats_tail", "fin_head",
-                 "apply_tail")
+                 "apply_tail", "one_read", "one_read_tail")
 
     def __init__(self, plan, steps, device_id: int, relu: bool, want_mask: bool):
         a_, ch, inner = plan.view
@@ -72,9 +74,22 @@ class _Forward:
                                   np.int32(plan.splits)))
         self.fin_head = cs((np.int32(plan.splits), np.int32(ch)))
         self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
+        self.one_read = steps[0] if plan.one_read else None
+        if self.one_read is not None:
+            self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch),
+                                     *_plane_args(plan)))
 
     def __call__(self, x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps) -> None:
         cdt = self.cdt
+        if self.one_read is not None:
+            if mask is not None:  # the kernel ORs its bits into zeroed words
+                c.cp.cuda.runtime.memsetAsync(mask.data.ptr, 0, mask.nbytes,
+                                              c.cp.cuda.get_current_stream().ptr)
+            self.one_read(x, _arg(z), y, _arg(mask), *self.one_read_tail, self.count,
+                          self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
+                          _scalar(cdt, momentum), _scalar(cdt, eps), _arg(mean), _arg(invstd),
+                          _NULL, _NULL)
+            return
         coef = None
         if self.coef:
             coef = c.cp.empty((self.nch, 4), cdt)

@@ -11,7 +11,9 @@ Passes (each a kernel; the shapes are read at run time, only dtype, pack width, 
 the addend are template arguments):
 
 - training forward: statistics partials per (channel, split) -> a fixed-order merge per channel
-  (mean, invstd, running statistics, coefficients) -> the apply pass (y, add, ReLU, mask);
+  (mean, invstd, running statistics, coefficients) -> the apply pass (y, add, ReLU, mask); or,
+  planes whose channel fits a block's shared memory (``bn_one_read_max_bytes``), one launch
+  reading x once (``train_planes``: a block a channel);
 - eval forward: the coefficients from the running statistics -> the apply pass;
 - backward: gradient-sum partials (sum g, sum g (x - mean)) -> merge (dweight, dbias, dx
   coefficients) -> the dx pass (and daddend);
@@ -60,8 +62,8 @@ class Step:
     """One kernel launch: its kind and template arguments (the family spells its name), grid,
     block, dynamic shared memory and what it does."""
 
-    kind: str  # stats_planes | stats_cols | finalize | apply | grad_planes | grad_cols |
-    #            grad_finalize | dx
+    kind: str  # stats_planes | stats_cols | finalize | apply | train_planes | grad_planes |
+    #            grad_cols | grad_finalize | dx
     targs: tuple
     grid: tuple[int, ...]
     block: tuple[int, ...]
@@ -96,6 +98,11 @@ class BatchNormPlan:
     def family(self) -> str:
         return "batch_norm"
 
+    @property
+    def one_read(self) -> bool:
+        """Training forward in one launch reading x once (batch_norm_train_planes)."""
+        return bool(self.steps) and self.steps[0].kind == "train_planes"
+
     def kernel_names(self) -> tuple[str, ...]:
         return tuple(s.kernel for s in self.steps)
 
@@ -123,7 +130,10 @@ class BatchNormPlan:
                                  ("mask", self.mask)) if on]
         if fused:
             lines.append(f"  fused              {', '.join(fused)}")
-        if self.op == "batch_norm" and self.training or self.op == "batch_norm_backward":
+        if self.one_read:
+            lines.append("  passes             one read: a block a channel holds x in shared "
+                         "memory; statistics, finish and y in one launch")
+        elif self.op == "batch_norm" and self.training or self.op == "batch_norm_backward":
             reads = "x and dy" if self.op == "batch_norm_backward" else "x"
             lines.append(f"  passes             two-pass: a reduction pass reads {reads}, the "
                          f"elementwise pass reads {reads} again (from L2 when it still holds it)")
@@ -132,14 +142,17 @@ class BatchNormPlan:
                          "running statistics")
         else:
             lines.append("  passes             one read: the statistics pass and its merge")
-        if self.splits:
+        if self.splits and not self.one_read:
             lines.append(f"  splits             {self.splits} partial states a channel, merged "
                          f"in a fixed order (deterministic)")
         chip = []
-        if self.splits:
+        if self.one_read:
+            chip.append(f"each channel's x{' and addend' if self.addend else ''} in its block's "
+                        f"shared memory ({self.steps[0].smem} bytes)")
+        elif self.splits:
             chip.append("per-thread partial states in registers, a block's folded "
                         + ("in shared memory" if self.layout == COLUMNS else "by shuffles"))
-        if self.op != "batch_stats":
+        if self.op != "batch_stats" and not self.one_read:
             chip.append("per-channel coefficients " + ("in registers" if self.layout == COLUMNS
                                                        else "read through L1"))
         lines.append(f"  on chip            {'; '.join(chip)}")
@@ -220,6 +233,27 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
     return step, splits
 
 
+def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend: bool,
+                   device: DeviceSpec, tuning: Tuning, relu: bool, mask: bool) -> Step | None:
+    """The one-read training step (planes): a block a channel, its packs (and the addend's)
+    in shared memory, where they fit the tuning's bn_one_read_max_bytes and the device and
+    packs are at least bn_min_pack_bytes wide; else None (the two passes)."""
+    a, c, b = view
+    packs = a * plane_packs(b, pack)
+    smem = packs * pack * ITEMSIZE[dtype] * (2 if addend else 1)
+    static = 2 * 32 * 3 * ITEMSIZE[_COMPUTE[dtype]]  # allreduce_block's partial states
+    if (not tuning.bn_one_read_max_bytes or smem > tuning.bn_one_read_max_bytes
+            or pack * ITEMSIZE[dtype] < tuning.bn_min_pack_bytes  # narrow packs: two passes
+            or smem + static > device.smem_per_block_optin or packs >= 2**31):
+        return None
+    need = max(1, packs // tuning.bn_block_min_packs_per_thread)
+    threads = min(tuning.bn_reduce_threads, max(64, 1 << (need - 1).bit_length()))
+    what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory: "
+            "statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
+            + (", ReLU" if relu else "") + (", mask (ORed words)" if mask else ""))
+    return Step("train_planes", (dtype, pack, span, addend), (c,), (threads,), smem, what)
+
+
 def partial_cap(view: ChannelView, dtype: str, state_values: int, tuning: Tuning) -> int:
     """The most splits whose partial states (C x splits x state) stay within
     1 / bn_partial_fraction of the bytes the reduction reads (x; x and dy for the gradient
@@ -267,20 +301,22 @@ def _merge_grid(channels: int, splits: int, device: DeviceSpec, tuning: Tuning) 
 def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec | None = None,
                     *, align_elems: int = 16, training: bool = True, relu: bool = False,
                     addend: bool = False, mask: bool = False, copied: bool = False,
-                    return_stats: bool = False, signature=None) -> BatchNormPlan:
+                    return_stats: bool = False, signature=None,
+                    tuning: Tuning | None = None) -> BatchNormPlan:
     """The launches of ``op`` ("batch_norm", "batch_norm_backward", "batch_stats") over
     ``view``. ``align_elems``: the largest power of two (elements) dividing every array's
     address. ``mask``: forward: write the ReLU mask; backward: apply one to dy. ``addend``:
     forward: add it before the ReLU; backward: also write daddend. ``return_stats``: an eval
     forward returns mean and invstd (a finalize launch writes them; without, the apply pass
     computes the coefficients itself). ``signature(step)``: the
-    step's kernel name expression (the family's)."""
+    step's kernel name expression (the family's). ``tuning``: the device's table
+    (:func:`tuning_for`) unless given."""
     if op not in OPS:
         raise ValueError(f"plan: unknown batch-norm op {op!r}; expected one of {OPS}")
     if dtype not in ITEMSIZE:
         raise ValueError(f"plan: unsupported dtype {dtype!r}")
     device = device or DeviceSpec.h100()
-    tuning = tuning_for(device)
+    tuning = tuning or tuning_for(device)
     a, c, b = view
     if view.numel == 0:
         raise ValueError(f"plan: {op} over an empty tensor launches nothing")
@@ -303,7 +339,12 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     notes = []
     # columns reductions keep at most bn_cols_reduce_max_pack channels' states a thread
     rpack = min(pack, tuning.bn_cols_reduce_max_pack) if cols else pack
-    if op in ("batch_stats",) or (op == "batch_norm" and training):
+    one_read = (_one_read_step(view, dtype, pack, span, addend, device, tuning, relu, mask)
+                if op == "batch_norm" and training and not cols else None)
+    if one_read is not None:
+        steps.append(one_read)
+        splits = 1
+    elif op in ("batch_stats",) or (op == "batch_norm" and training):
         red, splits = _reduce_step("stats", dtype, view, rpack, device, tuning, 3)
         outs = ("mean, invstd, running stats, coefficients" if op == "batch_norm"
                 else "mean, var")
@@ -324,7 +365,7 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
         u = elementwise_unroll(kind, dtype, pack, cols, addend)
         return (_elementwise_grid(view, pack, dtype, device, tuning, u),)
 
-    if op == "batch_norm":
+    if op == "batch_norm" and one_read is None:
         own = "" if training or return_stats else " (scale, shift from the running stats)"
         steps.append(Step("apply", (dtype, pack, cols, addend, span), ew_grid("apply"), ew_block,
                           what="y = (x - mean) * scale + shift" + own
@@ -400,6 +441,10 @@ def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:
         out += [("apply", (dtype, p, False, add, sp)) for p, sp in planes
                 for add in (False, True)]
         out += [("apply", (dtype, p, True, add, False)) for p in packs for add in (False, True)]
+        out += [("train_planes", (dtype, p, sp, add)) for p, sp in planes
+                for add in (False, True)
+                if any(t.bn_one_read_max_bytes and p * item >= t.bn_min_pack_bytes
+                       for t in (HOPPER, AMPERE))]
     if op == "batch_norm_backward":
         out += [("grad_planes", (dtype, p, sp)) for p, sp in planes]
         out += [("grad_cols", (dtype, p)) for p in packs]

@@ -113,6 +113,10 @@ class Tuning:
     # eval ran at 90.8% of copy speed in dividing 8-byte packs, 83.8% in spanning 16-byte
     # ones; (64, 2048, 7, 7) at 46.0% in dividing 2-byte packs, 87.9% in spanning 16-byte
     bn_min_pack_bytes: int = 8
+    # training forward, planes: a channel whose packs (x, and the addend's) take at most this
+    # many bytes is held in one block's shared memory and read once, statistics and y in one
+    # launch (batch_norm_train_planes); larger channels, and 0, run the two passes
+    bn_one_read_max_bytes: int = 100352
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
     bn_apply_waves: int = 4

@@ -1,0 +1,401 @@
+// Batch norm's device helpers (kernels/batch_norm.cuh has the kernels): the launch-argument
+// macros, Welford/Chan states and their merges, the ReLU mask's words, where a pack lies in the
+// planes layout, the per-channel finishers and the fixed-order partial-state merges.
+#pragma once
+#include "memory.cuh"
+#include "reduce.cuh"
+
+// The arguments of bn::Finish, in its field order (statistics and finalize kernels).
+#define CUKERN_BN_FINISH_PARAMS(C)                                                            \
+  C count, int training, C *running_mean, C *running_var, const C *weight, const C *bias,     \
+      C momentum, C eps, C *mean_out, C *invstd_out, C *var_out, bn::Coef<C> *coef
+#define CUKERN_BN_FINISH_ARGS                                                                 \
+  count, training, running_mean, running_var, weight, bias, momentum, eps, mean_out,          \
+      invstd_out, var_out, coef
+
+// The arguments of bn::GradFinish (gradient-sum and grad-finalize kernels).
+#define CUKERN_BN_GRAD_FINISH_PARAMS(C)                                                       \
+  C count, int training, const C *invstd, const C *weight, C *dweight, C *dbias,              \
+      bn::Coef<C> *coef
+#define CUKERN_BN_GRAD_FINISH_ARGS count, training, mean, invstd, weight, dweight, dbias, coef
+
+namespace cukern {
+// The most threads a statistics or gradient-sum block has (the planner's bn_reduce_threads):
+// 64 registers a thread at 1024 would spill the 16-bit columns kernels.
+constexpr int kBnReduceThreads = 256;
+
+namespace bn {
+
+// Quotient of n < 2^31 by a run-time divisor d >= 1: (umulhi(n, m) + n) >> s, with
+// s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1 computed on the host.
+struct FastDiv {
+  unsigned d, m, s;
+  __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
+// Packs a thread of an elementwise pass keeps in flight: about 32 bytes, at most 8 packs.
+__host__ __device__ constexpr int unroll_for(int bytes) {
+  return bytes >= 32 ? 1 : (32 / bytes > 8 ? 8 : 32 / bytes);
+}
+
+// Packs a thread of a columns elementwise pass keeps in flight, given the bytes a pack index
+// reads (PACK * sizeof(T) per tensor: x, and the addend or dy): about 128 bytes, at most 8
+// packs. Its PACK channels' coefficients stay in registers for the whole grid-strided loop,
+// so the planner sizes the grid to about one resident wave and every load a thread issues
+// serves the same coefficients (at 32 bytes and 12 blocks an SM a thread did ~2 packs).
+__host__ __device__ constexpr int unroll_cols(int bytes) {
+  return bytes >= 128 ? 1 : (128 / bytes > 8 ? 8 : 128 / bytes);
+}
+
+// Packs a thread of a reduction keeps in flight: about 64 bytes (4 packs of 16 bytes), at most
+// 16 packs. Reductions run fewer blocks than the elementwise passes (few partial states), so
+// each thread loads more at a time.
+__host__ __device__ constexpr int unroll_reduce(int bytes) {
+  return bytes >= 64 ? 1 : (64 / bytes > 16 ? 16 : 64 / bytes);
+}
+
+template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const T* p, i64 i) {
+  Pack<T, N> pack;
+  pack.word = reinterpret_cast<const typename Pack<T, N>::word_t*>(p)[i];
+  return pack;
+}
+
+template <typename T, int N, typename C>
+__device__ __forceinline__ void store_pack(T* p, i64 i, const C* v) {
+  T e[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) e[k] = Num<T>::from(v[k]);
+  store_global(reinterpret_cast<typename Pack<T, N>::word_t*>(p) + i, WordOf<T, N>::make(e));
+}
+
+// Per-channel coefficients the elementwise passes read: forward {mean, scale, shift, -}
+// (y = (x - mean) * scale + shift), backward {mean, k1, k2, k3}
+// (dx = k1 * g + k2 * (x - mean) + k3).
+template <typename C> struct alignas(4 * sizeof(C)) Coef {
+  C mean, a, b, c;
+};
+
+// Welford's (count, mean, M2) with Chan's merge in the form that keeps the mean accurate far
+// from 0: n = na + nb, d = mb - ma, m = ma + d * nb / n, M2 = M2a + M2b + d^2 na nb / n. The
+// operands are put in a canonical order first (more values first, then by mean and M2), so
+// merge(a, b) == merge(b, a) bit for bit; an empty state merges to the other one exactly.
+template <typename C> struct Stats {
+  C n, mean, m2;
+  static __device__ __forceinline__ Stats identity() { return Stats{C(0), C(0), C(0)}; }
+  static __device__ __forceinline__ Stats merge(const Stats& x, const Stats& y) {
+    if (y.n == C(0)) return x;
+    if (x.n == C(0)) return y;
+    const bool swap = y.n > x.n || (y.n == x.n && (y.mean < x.mean ||
+                                                   (y.mean == x.mean && y.m2 < x.m2)));
+    const Stats& a = swap ? y : x;
+    const Stats& b = swap ? x : y;
+    const C n = a.n + b.n;
+    const C d = b.mean - a.mean;
+    const C f = b.n / n;
+    return Stats{n, a.mean + d * f, a.m2 + b.m2 + d * d * a.n * f};
+  }
+  __device__ __forceinline__ Stats shfl_xor(int mask) const {
+    return Stats{__shfl_xor_sync(0xffffffffu, n, mask), __shfl_xor_sync(0xffffffffu, mean, mask),
+                 __shfl_xor_sync(0xffffffffu, m2, mask)};
+  }
+};
+
+// Sums of one thread's values shifted by k, a value of the data near them (the channel's first
+// value in the block's split, seeded before the loop): exact enough wherever k is within a few
+// standard deviations of the mean (a value of the data always is, in practice), and 3
+// instructions a value, no branch; the count is kept by the caller (one a pack, not a value).
+// stats(n) hands them to Chan's merges.
+template <typename C> struct Shifted {
+  C k, s1, s2;
+  __device__ __forceinline__ void add(C v) {
+    const C d = v - k;
+    s1 += d;
+    s2 += d * d;
+  }
+  __device__ __forceinline__ Stats<C> stats(int n) const {
+    if (n == 0) return Stats<C>::identity();
+    const C cnt = static_cast<C>(n);
+    const C m = s1 / cnt;
+    const C m2 = s2 - s1 * m;
+    return Stats<C>{cnt, k + m, m2 > C(0) ? m2 : C(0)};
+  }
+};
+
+// Shifted sums folded into a Chan state every kFoldValues values and re-centred on the running
+// mean, for threads that sum many values (planes splits of long planes): plain float32 shifted
+// sums of ~4000 values a thread, shifted by a first value 3 standard deviations out, put invstd
+// 1e-5 off at (2, 8, 2^27 + 3).
+constexpr int kFoldValues = 1024;
+template <typename C> struct Running {
+  Stats<C> done;
+  Shifted<C> cur;
+  int n;  // values in cur
+  __device__ __forceinline__ void fold() {
+    done = Stats<C>::merge(done, cur.stats(n));
+    cur = Shifted<C>{done.mean, C(0), C(0)};
+    n = 0;
+  }
+  __device__ __forceinline__ Stats<C> stats() const { return Stats<C>::merge(done, cur.stats(n)); }
+};
+
+// The ReLU mask of 32 * N consecutive elements (one pack a lane, the warp's first pack
+// `first`, a multiple of 32): bit i of word w is element 32 w + i, 1 where kept (y > 0).
+// Lane L's pack is bits N (L % G) .. of word L / G (G = 32 / N lanes a word), so a word is
+// the OR of its G lanes' N-bit fields, shifted into place: log2(G) shuffles. (A ballot per
+// element and a bit-by-bit interleave took ~4x the instructions: fp16 NCHW training + ReLU
+// at (64, 1024, 14, 14) spent 27 us in the apply pass against 17 without the mask.)
+template <int N, typename C>
+__device__ __forceinline__ void write_mask(unsigned* mask, i64 first, const C* v, bool ok,
+                                           i64 nwords) {
+  const int lane = static_cast<int>(lane_id());
+  const i64 word0 = first * N / 32;
+  if (N == 1) {
+    const unsigned b = __ballot_sync(0xffffffffu, ok && v[0] > C(0));
+    if (lane == 0 && word0 < nwords) mask[word0] = b;
+    return;
+  }
+  constexpr int G = 32 / N;  // lanes a word
+  unsigned bits = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) bits |= (ok && v[k] > C(0) ? 1u : 0u) << k;
+  unsigned word = bits << ((lane % G) * N);
+#pragma unroll
+  for (int off = G / 2; off > 0; off >>= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
+  if (lane % G == 0 && word0 + lane / G < nwords) mask[word0 + lane / G] = word;
+}
+
+// The ReLU bits of a pack at flat element e (a multiple of N) ORed into its mask word, for
+// kernels whose warps do not cover whole words (the one-read planes kernel: a plane's end words
+// are shared with the neighbouring planes' blocks). The mask is zeroed first; OR commutes, so
+// the words are the same bits whatever order the blocks run in. Aligned groups of 32 / N lanes
+// whose packs share one word OR them by shuffles and one atomic; others (a group across a
+// plane's end) each issue their own. Every lane of the warp must call it.
+template <int N>
+__device__ __forceinline__ void or_mask_bits(unsigned* mask, i64 e, unsigned bits, bool active) {
+  constexpr int G = 32 / N;
+  const int lane = static_cast<int>(lane_id());
+  unsigned word = active ? bits << (e & 31) : 0u;
+  const i64 wi = active ? e >> 5 : -1 - lane;  // inactive lanes never match
+  const i64 lead = __shfl_sync(0xffffffffu, wi, lane & ~(G - 1));
+  const unsigned same = __ballot_sync(0xffffffffu, wi == lead);
+  const unsigned group = (G == 32 ? ~0u : (1u << G) - 1u) << (lane & ~(G - 1));
+  if ((same & group) == group) {
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
+    if (lane % G != 0) return;
+  }
+  if (word != 0u) atomicOr(mask + wi, word);
+}
+
+// A pack copied from global to shared memory without registers (cp.async) where it is 4 bytes
+// or more, else through a register; the thread that copies it is the one that reads it back.
+template <typename W> __device__ __forceinline__ void pack_to_smem(W* dst, const W* src) {
+  if constexpr (sizeof(W) >= 4) {
+    cp_async<static_cast<int>(sizeof(W))>(dst, src);
+  } else {
+    *dst = *src;
+  }
+}
+
+// The N mask bits of the pack at flat pack index i (all in one word: 32 % N == 0).
+template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i) {
+  const i64 e = i * N;
+  return (__ldg(mask + (e >> 5)) >> (e & 31)) & ((N == 32 ? 0u : (1u << N)) - 1u);
+}
+
+// What a channel's merged statistics become (batch_norm_finalize, or a statistics kernel with
+// one split): training takes mean and the biased variance from the state, writes mean, invstd
+// (and the variance) and updates the running statistics with the unbiased variance; eval takes
+// them from the running statistics. Both write the apply pass's coefficients
+// {mean, weight * invstd, bias}. Null pointers are skipped.
+template <typename C> struct Finish {
+  C count;
+  int training;
+  C *running_mean, *running_var;
+  const C *weight, *bias;
+  C momentum, eps;
+  C *mean_out, *invstd_out, *var_out;
+  Coef<C>* coef;
+  __device__ __forceinline__ void operator()(int c, const Stats<C>& st) const {
+    C mean, var;
+    if (training) {
+      mean = st.mean;
+      var = st.m2 / count;
+    } else {
+      mean = running_mean[c];
+      var = running_var[c];
+    }
+    const C invstd = C(1) / sqrt(var + eps);
+    if (training) {
+      if (running_mean != nullptr)
+        running_mean[c] = (C(1) - momentum) * running_mean[c] + momentum * mean;
+      if (running_var != nullptr)
+        running_var[c] = (C(1) - momentum) * running_var[c] + momentum * (st.m2 / (count - C(1)));
+    }
+    if (mean_out != nullptr) mean_out[c] = mean;
+    if (invstd_out != nullptr) invstd_out[c] = invstd;
+    if (var_out != nullptr) var_out[c] = var;
+    if (coef != nullptr) {
+      const C w = weight != nullptr ? weight[c] : C(1);
+      coef[c] = Coef<C>{mean, w * invstd, bias != nullptr ? bias[c] : C(0), C(0)};
+    }
+  }
+};
+
+// A channel's forward coefficients: the finalize kernel's, or (coef null: eval without
+// statistics outputs) computed here from the running statistics, as batch_norm_finalize does.
+template <typename C> struct EvalParams {
+  const C *mean, *var, *weight, *bias;
+  C eps;
+  __device__ __forceinline__ Coef<C> operator()(const Coef<C>* coef, unsigned c) const {
+    if (coef != nullptr) return coef[c];
+    const C invstd = C(1) / sqrt(__ldg(var + c) + eps);
+    return Coef<C>{__ldg(mean + c), (weight != nullptr ? __ldg(weight + c) : C(1)) * invstd,
+                   bias != nullptr ? __ldg(bias + c) : C(0), C(0)};
+  }
+};
+
+// Where a planes pack of an elementwise pass lies: j (the pack's index within its sample)
+// times upp units, d units a plane (div.d). !SPAN: upp = 1, units are packs (B % PACK == 0,
+// d = B / PACK), the whole pack in channel c0; SPAN: upp = PACK, units are elements (d = B >=
+// PACK, B not a multiple of PACK, C * B < 2^31), the first n0 elements in c0, the rest in c0 + 1.
+struct PlaneSpan {
+  unsigned c0;
+  int n0;
+};
+template <bool SPAN, int PACK>
+__device__ __forceinline__ PlaneSpan plane_span(const FastDiv& div, unsigned j, unsigned upp) {
+  if (!SPAN) return PlaneSpan{div.div(j), PACK};
+  const unsigned e = j * upp;
+  const unsigned c0 = div.div(e);
+  const unsigned left = div.d - (e - c0 * div.d);
+  return PlaneSpan{c0, left < static_cast<unsigned>(PACK) ? static_cast<int>(left) : PACK};
+}
+
+// The planes reductions read a channel's plane of B elements (from flat element `start`) as the
+// W packs from start / PACK on: W = B / PACK where PACK divides B (start is then a multiple of
+// PACK), else W = (B + 2 PACK - 2) / PACK, enough wherever the plane starts within its first
+// pack. The bits of pack w's elements that lie in the plane, given off = w PACK - start % PACK
+// (the pack's first element relative to the plane's): all PACK bits inside it, some at its
+// ends (the neighbouring planes' elements are skipped), 0 past it (the pack is not read).
+template <int PACK> __device__ __forceinline__ unsigned plane_bits(int off, int B) {
+  const int lo = off < 0 ? -off : 0;
+  const int hi = B - off < PACK ? B - off : PACK;
+  if (hi <= lo) return 0u;
+  return ((1u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+template <int PACK> constexpr unsigned kFullPack = PACK >= 32 ? ~0u : (1u << PACK) - 1u;
+
+// Where pack j of a channel's run of A planes of W packs lies (the planes reductions' order:
+// plane a = j / W, pack w = j % W of it): `at` gives its flat pack index and the bits of its
+// elements in the plane (bn::plane_bits; all PACK without SPAN, where planes start on packs).
+template <int PACK, bool SPAN> struct PlaneWalk {
+  FastDiv div;
+  int W, B;
+  i64 first, plane_stride;  // the channel's first element; elements between its planes
+  __device__ __forceinline__ unsigned at(unsigned j, i64& pack) const {
+    const unsigned a = div.div(j), w = j - a * W;
+    const i64 start = first + a * plane_stride;
+    pack = start / PACK + w;
+    return SPAN ? plane_bits<PACK>(static_cast<int>(w) * PACK - static_cast<int>(start % PACK), B)
+                : kFullPack<PACK>;
+  }
+};
+
+// Reduction states of the backward: (sum g, sum g * (x - mean)).
+template <typename C> using GradSums = Sums<C, 2>;
+
+// A channel's merged gradient sums: dbias = sum g, dweight = invstd * sum g (x - mean), and the
+// dx coefficients k1 = weight * invstd, in training k2 = -k1 * invstd * dweight / n and
+// k3 = -k1 * dbias / n (eval: 0), so that dx = k1 * g + k2 * (x - mean) + k3
+// = weight * invstd * (g - dbias / n - xhat * dweight / n).
+template <typename C> struct GradFinish {
+  C count;
+  int training;
+  const C *mean, *invstd, *weight;
+  C *dweight, *dbias;
+  Coef<C>* coef;
+  __device__ __forceinline__ void operator()(int c, const GradSums<C>& st) const {
+    const C is = invstd[c];
+    const C db = st.v[0], dw = st.v[1] * is;
+    if (dweight != nullptr) dweight[c] = dw;
+    if (dbias != nullptr) dbias[c] = db;
+    const C k1 = (weight != nullptr ? weight[c] : C(1)) * is;
+    const C k2 = training ? -k1 * is * dw / count : C(0);
+    const C k3 = training ? -k1 * db / count : C(0);
+    coef[c] = Coef<C>{mean[c], k1, k2, k3};
+  }
+};
+
+// One channel's S partial states merged in a fixed order by nt threads (a warp, or a whole
+// block: bn::Merger): thread t folds t, t + nt, ... (8 loads in flight), then a butterfly in
+// each warp and, for a block, the warps' states in warp order; every thread ends with the same
+// bits.
+template <typename S>
+__device__ __forceinline__ S fold_partials(const S* __restrict__ p, int n, int t, int nt,
+                                           bool block) {
+  S st = S::identity();
+  for (int s0 = t; s0 < n; s0 += nt * 8) {
+    S v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = s0 + nt * k < n ? p[s0 + nt * k] : S::identity();
+#pragma unroll
+    for (int k = 0; k < 8; ++k) st = S::merge(st, v[k]);  // identities merge exactly
+  }
+  if (!block) return allreduce_group(st, 32);
+  unsigned phase = 0;
+  return allreduce_block(st, phase);
+}
+
+// Who merges a channel's partial states in the merge kernels (block (32, Y)): a warp each
+// (grid ceil(Cn / Y)), or, where the grid has one block a channel (few channels, many splits:
+// the planner's choice), the whole block, so that the merge is not a few latency-bound warps.
+struct Merger {
+  bool block;
+  int c, t, nt;
+  __device__ __forceinline__ explicit Merger(int Cn)
+      : block(gridDim.x == static_cast<unsigned>(Cn)),
+        c(static_cast<int>(block ? blockIdx.x : blockIdx.x * blockDim.y + threadIdx.y)),
+        t(static_cast<int>(block ? threadIdx.y * 32 + threadIdx.x : threadIdx.x)),
+        nt(block ? static_cast<int>(blockDim.y) * 32 : 32) {}
+};
+
+// Folds a thread's column states (ROWS x cols x N in shared memory, ROWS a power of two) over
+// its rows in a fixed tree order; row 0 ends with the block's states.
+template <typename S>
+__device__ __forceinline__ void tree_over_rows(S* sm, int per_row, int row, int col, int n) {
+  for (int h = blockDim.y / 2; h > 0; h /= 2) {
+    __syncthreads();
+    if (row < h) {
+      for (int k = 0; k < n; ++k) {
+        S* a = sm + (row * per_row + col) * n + k;
+        *a = S::merge(*a, sm[((row + h) * per_row + col) * n + k]);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The columns kernels' end: the block's PACK-channel states (in shared memory, a row of threads
+// each) folded over its rows; row 0 finishes its channels where the split is the whole channel
+// (S == 1: no merge launch) or stores the split's partial states for the merge kernel.
+template <int PACK, typename St, typename Finish>
+__device__ __forceinline__ void cols_finish_or_store(St* sm, St* part, int S, int s, int cp,
+                                                     bool valid, const Finish& finish) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  tree_over_rows(sm, blockDim.x, ty, tx, PACK);
+  if (ty == 0 && valid) {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      if (S == 1) {
+        finish(cp * PACK + k, sm[tx * PACK + k]);
+      } else {
+        part[static_cast<i64>(cp * PACK + k) * S + s] = sm[tx * PACK + k];
+      }
+    }
+  }
+}
+
+}  // namespace bn
+
+}  // namespace cukern
