@@ -179,12 +179,14 @@ __device__ __forceinline__ void or_mask_bits(unsigned* mask, i64 e, unsigned bit
   const i64 lead = __shfl_sync(0xffffffffu, wi, lane & ~(G - 1));
   const unsigned same = __ballot_sync(0xffffffffu, wi == lead);
   const unsigned group = (G == 32 ? ~0u : (1u << G) - 1u) << (lane & ~(G - 1));
-  if ((same & group) == group) {
+  unsigned ored = word;  // every lane shuffles: groups may differ in what they do next
 #pragma unroll
-    for (int off = G / 2; off > 0; off >>= 1) word |= __shfl_xor_sync(0xffffffffu, word, off);
-    if (lane % G != 0) return;
+  for (int off = G / 2; off > 0; off >>= 1) ored |= __shfl_xor_sync(0xffffffffu, ored, off);
+  if ((same & group) == group) {
+    if (lane % G == 0 && ored != 0u) atomicOr(mask + wi, ored);
+  } else if (word != 0u) {
+    atomicOr(mask + wi, word);
   }
-  if (word != 0u) atomicOr(mask + wi, word);
 }
 
 // A pack copied from global to shared memory without registers (cp.async) where it is 4 bytes

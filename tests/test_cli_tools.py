@@ -68,7 +68,7 @@ def test_explain_device_presets():
 @pytest.mark.parametrize("args, kernel", [
     (("softmax", "--shape", "4096x1000", "--dtype", "float16"), "softmax_warp"),
     (("layer-norm-backward", "--shape", "64x8192", "--weight"), "layer_norm_grad"),
-    (("batch-norm", "--shape", "8x16x4x4", "--relu"), "batch_norm_apply"),
+    (("batch-norm", "--shape", "8x16x4x4", "--relu"), "batch_norm_train_planes"),
     (("permute", "--shape", "8x16x4x4", "--axes", "0,2,3,1"), "permute_"),
 ])
 def test_explain_json(args, kernel):
