@@ -24,7 +24,7 @@
 //   batch_norm_grad_cols<T, PACK>                 one split, dweight, dbias, dx coefficients
 //   batch_norm_grad_finalize<C>                   dweight, dbias, the dx coefficients
 //   batch_norm_dx<T, PACK, COLS, SPAN>            dx (and daddend = the masked dy)
-//   batch_norm_train_planes<T, PACK, SPAN, ADD>   training forward in one read: a block a
+//   batch_norm_train_planes<T, PACK, ADD>         training forward in one read: a block a
 //                                                 channel held in shared memory (statistics,
 //                                                 finish, apply)
 // Every merge runs in a fixed order (no float atomics; the one-read kernel ORs mask words):
@@ -243,55 +243,45 @@ __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------
-// One-read training forward, planes layout, a block a channel (c = blockIdx.x): the channel's A
-// planes of W packs (as the statistics kernel reads them) go to shared memory by asynchronous
-// copies (and the addend's beside them), the block's Welford state finishes the channel
-// (bn::Finish: mean, invstd, running statistics) and y (+ addend, ReLU) is written from shared
-// memory: x crosses HBM once and the launch is the whole call. Each thread reads back only the
-// packs it copied. mask (or null, zeroed by the host): bn::or_mask_bits, a plane's end words
-// being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs
+// One-read training forward, planes layout (B a multiple of PACK), a block a channel
+// (c = blockIdx.x): the channel's A planes of W = B / PACK packs go to shared memory by
+// asynchronous copies (and the addend's beside them), the block's Welford state finishes the
+// channel (bn::Finish: mean, invstd, running statistics) and y (+ addend, ReLU) is written from
+// shared memory: x crosses HBM once and the launch is the whole call. Each thread reads back
+// only the packs it copied. mask (or null, zeroed by the host): bn::or_mask_bits, a plane's end
+// words being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs
 // (2 A W with ADD); the planner takes this kernel only where that fits.
-template <typename T, int PACK, bool SPAN, bool ADD>
+template <typename T, int PACK, bool ADD>
 __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_train_planes(const T* __restrict__ x, const T* __restrict__ addend,
                             T* __restrict__ y, unsigned* __restrict__ mask, int relu, i64 A,
-                            int Cn, int B, int W, unsigned w_m, unsigned w_s,
+                            int Cn, int W, unsigned w_m, unsigned w_s,
                             CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
   typedef typename Pack<T, PACK>::word_t Word;
   const int c = blockIdx.x;
   const unsigned L = static_cast<unsigned>(A * W), nt = blockDim.x;
-  const bn::PlaneWalk<PACK, SPAN> walk{{static_cast<unsigned>(W), w_m, w_s}, W, B,
-                                       static_cast<i64>(c) * B, static_cast<i64>(Cn) * B};
+  const bn::PlaneWalk walk{{static_cast<unsigned>(W), w_m, w_s}, W, static_cast<i64>(c) * W,
+                           static_cast<i64>(Cn) * W};
   Word* xs = dynamic_smem<Word>();
   Word* zs = xs + L;
   const Word* xw = reinterpret_cast<const Word*>(x);
   for (unsigned j = threadIdx.x; j < L; j += nt) {
-    i64 gi;
-    if (walk.at(j, gi) != 0u) {
-      bn::pack_to_smem(xs + j, xw + gi);
-      if (ADD) bn::pack_to_smem(zs + j, reinterpret_cast<const Word*>(addend) + gi);
-    }
+    const i64 gi = walk.at(j);
+    bn::pack_to_smem(xs + j, xw + gi);
+    if (ADD) bn::pack_to_smem(zs + j, reinterpret_cast<const Word*>(addend) + gi);
   }
   // every thread shifts by the channel's first value (one broadcast load)
-  bn::Running<C> run{bn::Stats<C>::identity(), {Num<T>::to(x[walk.first]), C(0), C(0)}, 0};
+  bn::Running<C> run{bn::Stats<C>::identity(),
+                     {Num<T>::to(x[walk.first * PACK]), C(0), C(0)}, 0};
   cp_async_wait_all();
   for (unsigned j = threadIdx.x; j < L; j += nt) {
-    i64 gi;
-    const unsigned in = walk.at(j, gi);
     if (run.n >= bn::kFoldValues) run.fold();
     Pack<T, PACK> p;
     p.word = xs[j];
-    if (in == bn::kFullPack<PACK>) {
-      run.n += PACK;
+    run.n += PACK;
 #pragma unroll
-      for (int k = 0; k < PACK; ++k) run.cur.add(pack_value(p, k));
-    } else if (SPAN && in != 0u) {  // a plane's end packs
-      run.n += __popc(in);
-#pragma unroll
-      for (int k = 0; k < PACK; ++k)
-        if ((in >> k) & 1u) run.cur.add(pack_value(p, k));
-    }
+    for (int k = 0; k < PACK; ++k) run.cur.add(pack_value(p, k));
   }
   unsigned phase = 0;
   const bn::Stats<C> st = allreduce_block(run.stats(), phase);
@@ -302,10 +292,10 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   const C shift = bias != nullptr ? bias[c] : C(0);
   for (unsigned j0 = 0; j0 < L; j0 += nt) {  // warp-uniform trips: or_mask_bits shuffles
     const unsigned j = j0 + threadIdx.x;
-    i64 gi = 0;
-    const unsigned in = j < L ? walk.at(j, gi) : 0u;
+    const bool in = j < L;
+    const i64 gi = in ? walk.at(j) : 0;
     unsigned kept = 0u;
-    if (in != 0u) {
+    if (in) {
       Pack<T, PACK> p, z;
       p.word = xs[j];
       if (ADD) z.word = zs[j];
@@ -315,17 +305,11 @@ __global__ void __launch_bounds__(kBnReduceThreads)
         v[k] = (pack_value(p, k) - mean) * scale + shift;
         if (ADD) v[k] += pack_value(z, k);
         if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
-        kept |= ((in >> k) & 1u) && v[k] > C(0) ? 1u << k : 0u;
+        kept |= v[k] > C(0) ? 1u << k : 0u;
       }
-      if (in == bn::kFullPack<PACK>) {
-        bn::store_pack<T, PACK>(y, gi, v);
-      } else {
-#pragma unroll
-        for (int k = 0; k < PACK; ++k)
-          if ((in >> k) & 1u) y[gi * PACK + k] = Num<T>::from(v[k]);
-      }
+      bn::store_pack<T, PACK>(y, gi, v);
     }
-    if (mask != nullptr) bn::or_mask_bits<PACK>(mask, gi * PACK, kept, in != 0u);
+    if (mask != nullptr) bn::or_mask_bits<PACK>(mask, gi * PACK, kept, in);
   }
 }
 

@@ -167,26 +167,23 @@ __device__ __forceinline__ void write_mask(unsigned* mask, i64 first, const C* v
 // The ReLU bits of a pack at flat element e (a multiple of N) ORed into its mask word, for
 // kernels whose warps do not cover whole words (the one-read planes kernel: a plane's end words
 // are shared with the neighbouring planes' blocks). The mask is zeroed first; OR commutes, so
-// the words are the same bits whatever order the blocks run in. Aligned groups of 32 / N lanes
-// whose packs share one word OR them by shuffles and one atomic; others (a group across a
-// plane's end) each issue their own. Every lane of the warp must call it.
+// the words are the same bits whatever order the blocks run in. Lanes whose packs share a word
+// are consecutive: a segmented OR over up to 32 / N lanes (shuffles up, taken from lanes of the
+// same word) leaves the word's bits in its last lane, which issues one atomic. Every lane of
+// the warp must call it.
 template <int N>
 __device__ __forceinline__ void or_mask_bits(unsigned* mask, i64 e, unsigned bits, bool active) {
-  constexpr int G = 32 / N;
   const int lane = static_cast<int>(lane_id());
   unsigned word = active ? bits << (e & 31) : 0u;
-  const i64 wi = active ? e >> 5 : -1 - lane;  // inactive lanes never match
-  const i64 lead = __shfl_sync(0xffffffffu, wi, lane & ~(G - 1));
-  const unsigned same = __ballot_sync(0xffffffffu, wi == lead);
-  const unsigned group = (G == 32 ? ~0u : (1u << G) - 1u) << (lane & ~(G - 1));
-  unsigned ored = word;  // every lane shuffles: groups may differ in what they do next
+  const i64 wi = active ? e >> 5 : -1 - lane;  // inactive lanes share no word
 #pragma unroll
-  for (int off = G / 2; off > 0; off >>= 1) ored |= __shfl_xor_sync(0xffffffffu, ored, off);
-  if ((same & group) == group) {
-    if (lane % G == 0 && ored != 0u) atomicOr(mask + wi, ored);
-  } else if (word != 0u) {
-    atomicOr(mask + wi, word);
+  for (int off = 1; off < 32 / N; off *= 2) {
+    const unsigned v = __shfl_up_sync(0xffffffffu, word, off);
+    const i64 w = __shfl_up_sync(0xffffffffu, wi, off);
+    if (lane >= off && w == wi) word |= v;
   }
+  const i64 next = __shfl_down_sync(0xffffffffu, wi, 1);
+  if (active && (lane == 31 || next != wi) && word != 0u) atomicOr(mask + wi, word);
 }
 
 // A pack copied from global to shared memory without registers (cp.async) where it is 4 bytes
@@ -288,19 +285,16 @@ template <int PACK> __device__ __forceinline__ unsigned plane_bits(int off, int 
 }
 template <int PACK> constexpr unsigned kFullPack = PACK >= 32 ? ~0u : (1u << PACK) - 1u;
 
-// Where pack j of a channel's run of A planes of W packs lies (the planes reductions' order:
-// plane a = j / W, pack w = j % W of it): `at` gives its flat pack index and the bits of its
-// elements in the plane (bn::plane_bits; all PACK without SPAN, where planes start on packs).
-template <int PACK, bool SPAN> struct PlaneWalk {
+// Where pack j of a channel's run of A planes of W = B / PACK packs lies (the planes
+// reductions' order: plane a = j / W, pack w = j % W of it; B a multiple of PACK): its flat
+// pack index.
+struct PlaneWalk {
   FastDiv div;
-  int W, B;
-  i64 first, plane_stride;  // the channel's first element; elements between its planes
-  __device__ __forceinline__ unsigned at(unsigned j, i64& pack) const {
-    const unsigned a = div.div(j), w = j - a * W;
-    const i64 start = first + a * plane_stride;
-    pack = start / PACK + w;
-    return SPAN ? plane_bits<PACK>(static_cast<int>(w) * PACK - static_cast<int>(start % PACK), B)
-                : kFullPack<PACK>;
+  int W;
+  i64 first, plane_stride;  // the channel's first pack; packs between its planes
+  __device__ __forceinline__ i64 at(unsigned j) const {
+    const unsigned a = div.div(j);
+    return first + a * plane_stride + (j - a * W);
   }
 };
 

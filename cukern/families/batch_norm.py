@@ -10,7 +10,7 @@ Kernel signatures (every shape, split count and grid is read from the launch)::
     batch_norm_grad_planes<T, PACK, SPAN>     batch_norm_grad_cols<T, PACK>
     batch_norm_grad_finalize<C>
     batch_norm_dx<T, PACK, COLS, SPAN>
-    batch_norm_train_planes<T, PACK, SPAN, ADD>   (training forward in one read)
+    batch_norm_train_planes<T, PACK, ADD>   (training forward in one read; B % PACK == 0)
 
 SPAN (planes only; false for COLS): B is not a multiple of PACK, so a pack may span two
 channels' planes (7x7 in 16-byte packs: ``cukern.plan.batch_norm.spans``).

@@ -76,8 +76,9 @@ class _Forward:
         self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
         self.one_read = steps[0] if plan.one_read else None
         if self.one_read is not None:
+            packs = inner // plan.pack  # a plane's (B % PACK == 0)
             self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch),
-                                     *_plane_args(plan)))
+                                     np.int32(packs), *map(np.uint32, bnplan.fast_div(packs))))
 
     def __call__(self, x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps) -> None:
         cdt = self.cdt

@@ -237,13 +237,15 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
                    device: DeviceSpec, tuning: Tuning, relu: bool, mask: bool) -> Step | None:
     """The one-read training step (planes): a block a channel, its packs (and the addend's)
     in shared memory, where they fit the tuning's bn_one_read_max_bytes and the device and
-    packs are at least bn_min_pack_bytes wide; else None (the two passes)."""
+    packs are at least bn_min_pack_bytes wide and lie in one plane; else None (the two
+    passes)."""
     a, c, b = view
     packs = a * plane_packs(b, pack)
     smem = packs * pack * ITEMSIZE[dtype] * (2 if addend else 1)
     static = 2 * 32 * 3 * ITEMSIZE[_COMPUTE[dtype]]  # allreduce_block's partial states
     if (not tuning.bn_one_read_max_bytes or smem > tuning.bn_one_read_max_bytes
             or pack * ITEMSIZE[dtype] < tuning.bn_min_pack_bytes  # narrow packs: two passes
+            or span  # packs across planes: element stores at a plane's ends (7x7 ran slower)
             or smem + static > device.smem_per_block_optin or packs >= 2**31):
         return None
     need = max(1, packs // tuning.bn_block_min_packs_per_thread)
@@ -251,7 +253,7 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
     what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory: "
             "statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
             + (", ReLU" if relu else "") + (", mask (ORed words)" if mask else ""))
-    return Step("train_planes", (dtype, pack, span, addend), (c,), (threads,), smem, what)
+    return Step("train_planes", (dtype, pack, addend), (c,), (threads,), smem, what)
 
 
 def partial_cap(view: ChannelView, dtype: str, state_values: int, tuning: Tuning) -> int:
@@ -441,7 +443,7 @@ def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:
         out += [("apply", (dtype, p, False, add, sp)) for p, sp in planes
                 for add in (False, True)]
         out += [("apply", (dtype, p, True, add, False)) for p in packs for add in (False, True)]
-        out += [("train_planes", (dtype, p, sp, add)) for p, sp in planes
+        out += [("train_planes", (dtype, p, add)) for p in packs
                 for add in (False, True)
                 if any(t.bn_one_read_max_bytes and p * item >= t.bn_min_pack_bytes
                        for t in (HOPPER, AMPERE))]
