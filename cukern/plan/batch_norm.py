@@ -237,8 +237,8 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
                    device: DeviceSpec, tuning: Tuning, relu: bool, mask: bool) -> Step | None:
     """The one-read training step (planes): a block a channel, its packs (and the addend's)
     in shared memory, where they fit the tuning's bn_one_read_max_bytes and the device and
-    packs are at least bn_min_pack_bytes wide and lie in one plane; else None (the two
-    passes)."""
+    packs are at least bn_min_pack_bytes wide (bn_one_read_min_pack_bytes_addend with an
+    addend) and lie in one plane; else None (the two passes)."""
     a, c, b = view
     packs = a * plane_packs(b, pack)
     smem = packs * pack * ITEMSIZE[dtype] * (2 if addend else 1)
@@ -246,6 +246,7 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
     if (not tuning.bn_one_read_max_bytes or smem > tuning.bn_one_read_max_bytes
             or pack * ITEMSIZE[dtype] < tuning.bn_min_pack_bytes  # narrow packs: two passes
             or span  # packs across planes: element stores at a plane's ends (7x7 ran slower)
+            or addend and pack * ITEMSIZE[dtype] < tuning.bn_one_read_min_pack_bytes_addend
             or smem + static > device.smem_per_block_optin or packs >= 2**31):
         return None
     need = max(1, packs // tuning.bn_block_min_packs_per_thread)
@@ -445,8 +446,9 @@ def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:
         out += [("apply", (dtype, p, True, add, False)) for p in packs for add in (False, True)]
         out += [("train_planes", (dtype, p, add)) for p in packs
                 for add in (False, True)
-                if any(t.bn_one_read_max_bytes and p * item >= t.bn_min_pack_bytes
-                       for t in (HOPPER, AMPERE))]
+                if any(t.bn_one_read_max_bytes and p * item >= t.bn_min_pack_bytes and not (
+                    add and p * item < t.bn_one_read_min_pack_bytes_addend)
+                    for t in (HOPPER, AMPERE))]
     if op == "batch_norm_backward":
         out += [("grad_planes", (dtype, p, sp)) for p, sp in planes]
         out += [("grad_cols", (dtype, p)) for p in packs]
