@@ -164,38 +164,26 @@ __device__ __forceinline__ void write_mask(unsigned* mask, i64 first, const C* v
   if (lane % G == 0 && word0 + lane / G < nwords) mask[word0 + lane / G] = word;
 }
 
-// The ReLU bits of a pack at flat element e (a multiple of N) put into its mask word, for
+// The ReLU bits of a pack at flat element e (a multiple of N) ORed into its mask word, for
 // kernels whose warps do not cover whole words (the one-read planes kernel: a plane's end words
-// are shared with the neighbouring planes' blocks). The mask is zeroed first. Lanes whose packs
-// share a word are consecutive: a segmented OR over up to G = 32 / N lanes (shuffles up, taken
-// from active lanes of the same word; word indices compared in their low 32 bits, as a warp's
-// packs span a few words) leaves the word's bits in its last lane, which stores the word where
-// its G lanes hold all of it and ORs them in with an atomic where other lanes (another warp, a
-// neighbouring plane's block) hold the rest: OR commutes, so the words are the same bits
-// whatever order the blocks run in. Every lane of the warp must call it.
+// are shared with the neighbouring planes' blocks). The mask is zeroed first; OR commutes, so
+// the words are the same bits whatever order the blocks run in. Lanes whose packs share a word
+// are consecutive: a segmented OR over up to 32 / N lanes (shuffles up, taken from lanes of the
+// same word) leaves the word's bits in its last lane, which issues one atomic. Every lane of
+// the warp must call it.
 template <int N>
 __device__ __forceinline__ void or_mask_bits(unsigned* mask, i64 e, unsigned bits, bool active) {
-  constexpr int G = 32 / N;
-  const unsigned full = 0xffffffffu;
   const int lane = static_cast<int>(lane_id());
-  const unsigned act = __ballot_sync(full, active);
-  const unsigned w = static_cast<unsigned>(e >> 5);
   unsigned word = active ? bits << (e & 31) : 0u;
+  const i64 wi = active ? e >> 5 : -1 - lane;  // inactive lanes share no word
 #pragma unroll
-  for (int off = 1; off < G; off *= 2) {
-    const unsigned v = __shfl_up_sync(full, word, off);
-    const unsigned u = __shfl_up_sync(full, w, off);
-    if (lane >= off && u == w && ((act >> (lane - off)) & 1u)) word |= v;
+  for (int off = 1; off < 32 / N; off *= 2) {
+    const unsigned v = __shfl_up_sync(0xffffffffu, word, off);
+    const i64 w = __shfl_up_sync(0xffffffffu, wi, off);
+    if (lane >= off && w == wi) word |= v;
   }
-  const unsigned next = __shfl_down_sync(full, w, 1);
-  const unsigned back = __shfl_up_sync(full, w, G - 1);
-  if (!active || word == 0u) return;
-  if (lane < 31 && next == w && ((act >> (lane + 1)) & 1u)) return;  // not the word's last lane
-  if (lane >= G - 1 && back == w && ((act >> (lane - G + 1)) & 1u)) {
-    mask[e >> 5] = word;  // all G packs of the word in this segment
-  } else {
-    atomicOr(mask + (e >> 5), word);
-  }
+  const i64 next = __shfl_down_sync(0xffffffffu, wi, 1);
+  if (active && (lane == 31 || next != wi) && word != 0u) atomicOr(mask + wi, word);
 }
 
 // A pack copied from global to shared memory without registers (cp.async) where it is 4 bytes
