@@ -243,86 +243,73 @@ __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------
-// One-read training forward, planes layout (B a multiple of PACK), a block a channel at a time
-// (c = blockIdx.x, + gridDim.x, ...): the channel's A planes of W = B / PACK packs go to shared
-// memory by asynchronous copies (and the addend's beside them), the block's Welford state
-// finishes the channel (bn::Finish: mean, invstd, running statistics) and y (+ addend, ReLU)
-// is written from shared memory: x crosses HBM once and the launch is the whole call. With
-// BUFS = 2 buffers (a grid of resident blocks looping over channels) the next channel's copies
-// are in flight while this one is reduced and written. Each thread copies and reads back only
-// its own packs (no barrier guards a buffer). mask (or null, zeroed by the host):
-// bn::or_mask_bits, a plane's end words being shared with the neighbouring channels' blocks.
-// Dynamic shared memory: BUFS x A W packs (x2 with ADD); the planner takes this kernel only
-// where that fits.
+// One-read training forward, planes layout (B a multiple of PACK), a block a channel
+// (c = blockIdx.x): the channel's A planes of W = B / PACK packs go to shared memory by
+// asynchronous copies (and the addend's beside them), the block's Welford state finishes the
+// channel (bn::Finish: mean, invstd, running statistics) and y (+ addend, ReLU) is written from
+// shared memory: x crosses HBM once and the launch is the whole call. Each thread reads back
+// only the packs it copied. mask (or null, zeroed by the host): bn::or_mask_bits, a plane's end
+// words being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs
+// (2 A W with ADD); the planner takes this kernel only where that fits.
 template <typename T, int PACK, bool ADD>
 __global__ void __launch_bounds__(kBnReduceThreads)
     batch_norm_train_planes(const T* __restrict__ x, const T* __restrict__ addend,
                             T* __restrict__ y, unsigned* __restrict__ mask, int relu, i64 A,
-                            int Cn, int W, unsigned w_m, unsigned w_s, int bufs,
+                            int Cn, int W, unsigned w_m, unsigned w_s,
                             CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
   typedef typename Pack<T, PACK>::word_t Word;
+  const int c = blockIdx.x;
   const unsigned L = static_cast<unsigned>(A * W), nt = blockDim.x;
-  const unsigned per = ADD ? 2 * L : L;  // words a buffer
-  bn::PlaneWalk walk{{static_cast<unsigned>(W), w_m, w_s}, W, 0, static_cast<i64>(Cn) * W};
-  Word* const smem = dynamic_smem<Word>();
+  const bn::PlaneWalk walk{{static_cast<unsigned>(W), w_m, w_s}, W, static_cast<i64>(c) * W,
+                           static_cast<i64>(Cn) * W};
+  Word* xs = dynamic_smem<Word>();
+  Word* zs = xs + L;
   const Word* xw = reinterpret_cast<const Word*>(x);
-  const Word* zw = ADD ? reinterpret_cast<const Word*>(addend) : nullptr;
+  for (unsigned j = threadIdx.x; j < L; j += nt) {
+    const i64 gi = walk.at(j);
+    bn::pack_to_smem(xs + j, xw + gi);
+    if (ADD) bn::pack_to_smem(zs + j, reinterpret_cast<const Word*>(addend) + gi);
+  }
+  // every thread shifts by the channel's first value (one broadcast load)
+  bn::Running<C> run{bn::Stats<C>::identity(),
+                     {Num<T>::to(x[walk.first * PACK]), C(0), C(0)}, 0};
+  cp_async_wait_all();
+  for (unsigned j = threadIdx.x; j < L; j += nt) {
+    if (run.n >= bn::kFoldValues) run.fold();
+    Pack<T, PACK> p;
+    p.word = xs[j];
+    run.n += PACK;
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) run.cur.add(pack_value(p, k));
+  }
   unsigned phase = 0;
-  int c = blockIdx.x;
-  if (c < Cn) bn::copy_channel(walk, c, xw, zw, smem, L);
-  for (int it = 0; c < Cn; c += gridDim.x, ++it) {
-    Word* xs = smem + (bufs == 2 ? (it & 1) * per : 0);
-    Word* zs = xs + L;
-    const int next = c + static_cast<int>(gridDim.x);
-    walk.first = static_cast<i64>(c) * W;
-    // every thread shifts by the channel's first value (one broadcast load)
-    bn::Running<C> run{bn::Stats<C>::identity(),
-                       {Num<T>::to(x[walk.first * PACK]), C(0), C(0)}, 0};
-    if (bufs == 2 && next < Cn) {
-      bn::copy_channel(walk, next, xw, zw, smem + ((it + 1) & 1) * per, L);
-      cp_async_wait_group<1>();  // this channel's group, not the next one's
-    } else {
-      cp_async_wait_all();
-    }
-    for (unsigned j = threadIdx.x; j < L; j += nt) {
-      if (run.n >= bn::kFoldValues) run.fold();
-      Pack<T, PACK> p;
+  const bn::Stats<C> st = allreduce_block(run.stats(), phase);
+  if (threadIdx.x == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, st);
+  // the apply pass's coefficients, as bn::Finish computes them
+  const C mean = st.mean;
+  const C scale = (weight != nullptr ? weight[c] : C(1)) * (C(1) / sqrt(st.m2 / count + eps));
+  const C shift = bias != nullptr ? bias[c] : C(0);
+  for (unsigned j0 = 0; j0 < L; j0 += nt) {  // warp-uniform trips: or_mask_bits shuffles
+    const unsigned j = j0 + threadIdx.x;
+    const bool in = j < L;
+    const i64 gi = in ? walk.at(j) : 0;
+    unsigned kept = 0u;
+    if (in) {
+      Pack<T, PACK> p, z;
       p.word = xs[j];
-      run.n += PACK;
+      if (ADD) z.word = zs[j];
+      C v[PACK];
 #pragma unroll
-      for (int k = 0; k < PACK; ++k) run.cur.add(pack_value(p, k));
-    }
-    const bn::Stats<C> st = allreduce_block(run.stats(), phase);
-    if (threadIdx.x == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, st);
-    // the apply pass's coefficients, as bn::Finish computes them
-    const C mean = st.mean;
-    const C scale = (weight != nullptr ? weight[c] : C(1)) * (C(1) / sqrt(st.m2 / count + eps));
-    const C shift = bias != nullptr ? bias[c] : C(0);
-    for (unsigned j0 = 0; j0 < L; j0 += nt) {  // warp-uniform trips: or_mask_bits shuffles
-      const unsigned j = j0 + threadIdx.x;
-      const bool in = j < L;
-      const i64 gi = in ? walk.at(j) : 0;
-      unsigned kept = 0u;
-      if (in) {
-        Pack<T, PACK> p, z;
-        p.word = xs[j];
-        if (ADD) z.word = zs[j];
-        C v[PACK];
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) {
-          v[k] = (pack_value(p, k) - mean) * scale + shift;
-          if (ADD) v[k] += pack_value(z, k);
-          if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
-          kept |= v[k] > C(0) ? 1u << k : 0u;
-        }
-        bn::store_pack<T, PACK>(y, gi, v);
+      for (int k = 0; k < PACK; ++k) {
+        v[k] = (pack_value(p, k) - mean) * scale + shift;
+        if (ADD) v[k] += pack_value(z, k);
+        if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
+        kept |= v[k] > C(0) ? 1u << k : 0u;
       }
-      if (mask != nullptr) bn::or_mask_bits<PACK>(mask, gi * PACK, kept, in);
+      bn::store_pack<T, PACK>(y, gi, v);
     }
-    if (bufs == 1 && next < Cn) {  // this thread's reads of the buffer are done
-      bn::copy_channel(walk, next, xw, zw, smem, L);
-    }
+    if (mask != nullptr) bn::or_mask_bits<PACK>(mask, gi * PACK, kept, in);
   }
 }
 

@@ -298,21 +298,6 @@ struct PlaneWalk {
   }
 };
 
-// This thread's packs of channel `ch` (j = threadIdx.x + k blockDim.x of its run), and the
-// addend's where zw is not null, copied into `buf` (x at j, the addend at L + j) as one group of
-// asynchronous copies.
-template <typename W>
-__device__ __forceinline__ void copy_channel(PlaneWalk walk, int ch, const W* xw, const W* zw,
-                                             W* buf, unsigned L) {
-  walk.first = static_cast<i64>(ch) * walk.W;
-  for (unsigned j = threadIdx.x; j < L; j += blockDim.x) {
-    const i64 gi = walk.at(j);
-    pack_to_smem(buf + j, xw + gi);
-    if (zw != nullptr) pack_to_smem(buf + L + j, zw + gi);
-  }
-  cp_async_commit();
-}
-
 // Reduction states of the backward: (sum g, sum g * (x - mean)).
 template <typename C> using GradSums = Sums<C, 2>;
 

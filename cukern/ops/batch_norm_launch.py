@@ -78,8 +78,7 @@ class _Forward:
         if self.one_read is not None:
             packs = inner // plan.pack  # a plane's (B % PACK == 0)
             self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch),
-                                     np.int32(packs), *map(np.uint32, bnplan.fast_div(packs)),
-                                     np.int32(plan.one_read_buffers)))
+                                     np.int32(packs), *map(np.uint32, bnplan.fast_div(packs))))
 
     def __call__(self, x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps) -> None:
         cdt = self.cdt

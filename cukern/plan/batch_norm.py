@@ -49,7 +49,6 @@ from .policy import AMPERE, HOPPER, Tuning, tuning_for
 __all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strides",
            "fast_div", "pack_for", "flat_pack_for", "spans", "plane_packs", "flat_args",
            "partial_cap", "unroll_for", "unroll_cols", "elementwise_unroll", "unroll_reduce",
-           "one_read_bytes",
            "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
 
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
@@ -104,14 +103,6 @@ class BatchNormPlan:
         """Training forward in one launch reading x once (batch_norm_train_planes)."""
         return bool(self.steps) and self.steps[0].kind == "train_planes"
 
-    @property
-    def one_read_buffers(self) -> int:
-        """Channels the one-read kernel's blocks hold at once (its `bufs`; 0: two passes)."""
-        if not self.one_read:
-            return 0
-        return self.steps[0].smem // one_read_bytes(self.view, self.dtype, self.pack,
-                                                    self.addend)
-
     def kernel_names(self) -> tuple[str, ...]:
         return tuple(s.kernel for s in self.steps)
 
@@ -156,10 +147,8 @@ class BatchNormPlan:
                          f"in a fixed order (deterministic)")
         chip = []
         if self.one_read:
-            n = self.one_read_buffers
             chip.append(f"each channel's x{' and addend' if self.addend else ''} in its block's "
-                        f"shared memory ({self.steps[0].smem // n} bytes"
-                        + (f", {n} channels a block at a time)" if n > 1 else ")"))
+                        f"shared memory ({self.steps[0].smem} bytes)")
         elif self.splits:
             chip.append("per-thread partial states in registers, a block's folded "
                         + ("in shared memory" if self.layout == COLUMNS else "by shuffles"))
@@ -252,7 +241,7 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
     addend) and lie in one plane; else None (the two passes)."""
     a, c, b = view
     packs = a * plane_packs(b, pack)
-    smem = one_read_bytes(view, dtype, pack, addend)
+    smem = packs * pack * ITEMSIZE[dtype] * (2 if addend else 1)
     static = 2 * 32 * 3 * ITEMSIZE[_COMPUTE[dtype]]  # allreduce_block's partial states
     if (not tuning.bn_one_read_max_bytes or smem > tuning.bn_one_read_max_bytes
             or pack * ITEMSIZE[dtype] < tuning.bn_min_pack_bytes  # narrow packs: two passes
@@ -262,22 +251,10 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
         return None
     need = max(1, packs // tuning.bn_block_min_packs_per_thread)
     threads = min(tuning.bn_reduce_threads, max(64, 1 << (need - 1).bit_length()))
-    grid, bufs = c, 1
-    if tuning.bn_one_read_buffers == 2 and 2 * smem + static <= device.smem_per_block_optin:
-        bufs = 2
-        grid = min(c, device.sms * _occupancy(device, threads, 2 * smem))
-    what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory"
-            + (", the next one's copies in flight beside it" if bufs == 2 else "")
-            + ": statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
+    what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory: "
+            "statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
             + (", ReLU" if relu else "") + (", mask (ORed words)" if mask else ""))
-    return Step("train_planes", (dtype, pack, addend), (grid,), (threads,), bufs * smem, what)
-
-
-def one_read_bytes(view: ChannelView, dtype: str, pack: int, addend: bool) -> int:
-    """Shared memory one channel takes in the one-read kernel (a buffer of its packs, and
-    the addend's)."""
-    a, _, b = view
-    return a * plane_packs(b, pack) * pack * ITEMSIZE[dtype] * (2 if addend else 1)
+    return Step("train_planes", (dtype, pack, addend), (c,), (threads,), smem, what)
 
 
 def partial_cap(view: ChannelView, dtype: str, state_values: int, tuning: Tuning) -> int:

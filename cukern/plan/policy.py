@@ -123,10 +123,6 @@ class Tuning:
     # in 8-byte packs ran at 61.4% of copy in one read, 67.7% in two passes (float32's 16-byte
     # packs: 74.9 against 66.5)
     bn_one_read_min_pack_bytes_addend: int = 16
-    # ... 2: where two channels fit a block's shared memory, a grid of resident blocks loops
-    # over channels, copying the next one in while this one is reduced and written; 1: a
-    # block a channel, one buffer
-    bn_one_read_buffers: int = 2
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
     bn_apply_waves: int = 4
