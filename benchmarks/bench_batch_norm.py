@@ -372,13 +372,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--peers", default="torch,jax")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--tuning", default="",
+                    help="FIELD=INT[,...]: plan this run with these fields of the device's "
+                         "tuning changed (e.g. bn_one_read_max_bytes=0: the two passes)")
     ap.add_argument("--ab-one-read", action="store_true",
                     help="where a training shape's plan reads x once, also time the two passes "
                          "(peer cukern_two_pass, the tuning's bn_one_read_max_bytes = 0)")
     args = ap.parse_args()
     modes, dtypes = args.modes.split(","), args.dtypes.split(",")
-    results = sweep(modes, dtypes, shapes(args.quick), args.reps,
-                    tuple(p for p in args.peers.split(",") if p), args.ab_one_read)
+    changes = dict((k, int(v)) for k, v in (f.split("=") for f in args.tuning.split(",") if f))
+    with obn.tuned(**changes):
+        results = sweep(modes, dtypes, shapes(args.quick), args.reps,
+                        tuple(p for p in args.peers.split(",") if p), args.ab_one_read)
     device = DeviceSpec.from_device().name
     run = _results.Run(args.out, "batch_norm", device, quick=args.quick)
     payload = run.merge_previous({"results": results},
