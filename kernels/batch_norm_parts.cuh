@@ -175,15 +175,17 @@ template <int N>
 __device__ __forceinline__ void or_mask_bits(unsigned* mask, i64 e, unsigned bits, bool active) {
   const int lane = static_cast<int>(lane_id());
   unsigned word = active ? bits << (e & 31) : 0u;
-  const i64 wi = active ? e >> 5 : -1 - lane;  // inactive lanes share no word
+  // word indices in 32 bits: a warp's packs lie within 2^37 elements (inactive lanes: indices
+  // no mask of GPU memory reaches)
+  const unsigned wi = active ? static_cast<unsigned>(e >> 5) : ~0u - lane;
 #pragma unroll
   for (int off = 1; off < 32 / N; off *= 2) {
     const unsigned v = __shfl_up_sync(0xffffffffu, word, off);
-    const i64 w = __shfl_up_sync(0xffffffffu, wi, off);
+    const unsigned w = __shfl_up_sync(0xffffffffu, wi, off);
     if (lane >= off && w == wi) word |= v;
   }
-  const i64 next = __shfl_down_sync(0xffffffffu, wi, 1);
-  if (active && (lane == 31 || next != wi) && word != 0u) atomicOr(mask + wi, word);
+  const unsigned next = __shfl_down_sync(0xffffffffu, wi, 1);
+  if (active && (lane == 31 || next != wi) && word != 0u) atomicOr(mask + (e >> 5), word);
 }
 
 // A pack copied from global to shared memory without registers (cp.async) where it is 4 bytes
