@@ -882,3 +882,68 @@ def test_one_read_training_step():
     t4 = DeviceSpec.t4()
     assert not plan("batch_norm", (128, 64, 28, 28), "float16", device=t4, tuning=big).one_read
     assert not plan("batch_norm", (64, 256, 56, 56), "float16", tuning=big).one_read  # 392 KiB
+
+
+def _one_read_mask_model(view, pack, threads, kept):
+    """Emulates batch_norm_train_planes' mask writes (bn::PlaneWalk, bn::or_mask_bits): block c
+    walks its channel's packs j = j0 + thread; each warp ORs its lanes' bits word by word (a
+    segmented OR over shuffles up, word indices compared in 32 bits) and each segment's last
+    lane ORs the word into memory. ``kept[e]``: element e's bit. Returns (the mask words, the
+    atomics each word took)."""
+    a, c, b = view
+    w = b // pack
+    words = np.zeros(-(-a * c * b // 32), np.uint32)
+    hits = np.zeros_like(words, dtype=np.int64)
+    length = a * w
+    for ch in range(c):
+        for j0 in range(0, length, threads):
+            for warp0 in range(j0, j0 + threads, 32):
+                lanes = []
+                for j in range(warp0, warp0 + 32):
+                    if j < length:
+                        plane, k = divmod(j, w)
+                        e = ((plane * c + ch) * w + k) * pack
+                        bits = sum(int(kept[e + i]) << i for i in range(pack))
+                        word = (bits << (e & 31)) & 0xFFFFFFFF
+                        lanes.append((True, e, word, (e >> 5) & 0xFFFFFFFF))
+                    else:
+                        lanes.append((False, 0, 0, 0xFFFFFFFF - (j - warp0)))
+                acc = [v for _, _, v, _ in lanes]
+                off = 1
+                while off < 32 // pack:  # Hillis-Steele steps, all lanes reading the old values
+                    acc = [acc[i] | (acc[i - off] if i >= off and lanes[i - off][3] == lanes[i][3]
+                                     else 0) for i in range(32)]
+                    off *= 2
+                for i, (active, e, _, wi) in enumerate(lanes):
+                    last = i == 31 or lanes[i + 1][3] != wi
+                    if active and last and acc[i]:
+                        words[e >> 5] |= acc[i]
+                        hits[e >> 5] += 1
+    return words, hits
+
+
+@pytest.mark.parametrize("shape,pack,threads", [
+    ((3, 5, 36), 4, 64), ((2, 3, 40), 8, 64), ((4, 7, 12), 4, 64), ((3, 2, 64), 2, 64),
+    ((5, 3, 100), 4, 128), ((2, 9, 8), 8, 64), ((6, 4, 2), 2, 64), ((2, 1, 200), 8, 64),
+])
+def test_one_read_mask_words_model(shape, pack, threads):
+    """Every element's bit lands in its word (bit i of word k = element 32 k + i) whatever
+    the planes' offsets within words, bits past the end stay 0, and a word takes at most one
+    atomic for each warp holding part of it (one where a single warp holds it)."""
+    rng = np.random.default_rng(7)
+    a, c, b = shape
+    n = a * c * b
+    kept = rng.random(n) < 0.5
+    words, hits = _one_read_mask_model(bp.ChannelView(a, c, b), pack, threads, kept)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    np.testing.assert_array_equal(bits[:n].astype(bool), kept)
+    assert not bits[n:].any()
+    # one atomic for each (channel, warp) holding part of a word: one for a word a warp holds
+    w = b // pack
+    for k in np.flatnonzero(words):
+        holders = set()
+        for e in range(32 * k, min(32 * k + 32, n)):
+            a_idx, ch = divmod(e // b, c)
+            holders.add((ch, (a_idx * w + (e % b) // pack) // 32))
+        assert hits[k] <= len(holders), (k, hits[k], holders)
+        assert len(holders) > 1 or hits[k] == 1
