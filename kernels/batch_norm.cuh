@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(256)
 // words being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs
 // (2 A W with ADD); the planner takes this kernel only where that fits.
 template <typename T, int PACK, bool ADD>
-__global__ void __launch_bounds__(kBnReduceThreads)
+__global__ void __launch_bounds__(kBnOneReadThreads)
     batch_norm_train_planes(const T* __restrict__ x, const T* __restrict__ addend,
                             T* __restrict__ y, unsigned* __restrict__ mask, int relu, i64 A,
                             int Cn, int W, unsigned w_m, unsigned w_s,

@@ -23,6 +23,8 @@ namespace cukern {
 // The most threads a statistics or gradient-sum block has (the planner's bn_reduce_threads):
 // 64 registers a thread at 1024 would spill the 16-bit columns kernels.
 constexpr int kBnReduceThreads = 256;
+// ... and a one-read training block (the planner's bn_one_read_max_threads)
+constexpr int kBnOneReadThreads = 512;
 
 namespace bn {
 

@@ -52,7 +52,8 @@ __all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strid
            "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
 
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
-MAX_REDUCE_THREADS = 256  # kernels/batch_norm.cuh: kBnReduceThreads (__launch_bounds__)
+MAX_REDUCE_THREADS = 256  # kernels/batch_norm_parts.cuh: kBnReduceThreads (__launch_bounds__)
+MAX_ONE_READ_THREADS = 512  # ... kBnOneReadThreads
 _COMPUTE = {"float16": "float32", "bfloat16": "float32", "float32": "float32",
             "float64": "float64"}
 
@@ -250,7 +251,10 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
             or smem + static > device.smem_per_block_optin or packs >= 2**31):
         return None
     need = max(1, packs // tuning.bn_block_min_packs_per_thread)
-    threads = min(tuning.bn_reduce_threads, max(64, 1 << (need - 1).bit_length()))
+    if tuning.bn_one_read_max_threads > MAX_ONE_READ_THREADS:
+        raise ValueError(f"plan: bn_one_read_max_threads {tuning.bn_one_read_max_threads}: the "
+                         f"kernel takes at most {MAX_ONE_READ_THREADS} (kBnOneReadThreads)")
+    threads = min(tuning.bn_one_read_max_threads, max(64, 1 << (need - 1).bit_length()))
     what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory: "
             "statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
             + (", ReLU" if relu else "") + (", mask (ORed words)" if mask else ""))

@@ -123,6 +123,9 @@ class Tuning:
     # in 8-byte packs ran at 61.4% of copy in one read, 67.7% in two passes (float32's 16-byte
     # packs: 74.9 against 66.5)
     bn_one_read_min_pack_bytes_addend: int = 16
+    # ... its blocks: about bn_block_min_packs_per_thread packs a thread, 64 threads or more,
+    # at most this many (kernels/batch_norm_parts.cuh: kBnOneReadThreads)
+    bn_one_read_max_threads: int = 512
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
     bn_apply_waves: int = 4
