@@ -871,6 +871,11 @@ def test_one_read_training_step():
         assert step.kernel == fam.name_expression(step)
         text = str(p)
         assert "one read" in text and f"{step.smem} bytes" in text and "two-pass" not in text
+    # 512 threads where shared memory leaves two blocks an SM or fewer (100 KB channels)
+    assert plan("batch_norm", (64, 512, 28, 28), "float16").steps[0].block == (512,)
+    assert plan("batch_norm", (64, 1024, 14, 14), "float16").steps[0].block == (256,)
+    assert plan("batch_norm", (64, 1024, 14, 14), "float32").steps[0].block == (256,)
+    assert plan("batch_norm", (64, 1024, 14, 14), "float32", addend=True).steps[0].block == (512,)
     # other layouts, eval, the backward, batch_stats: never
     assert not plan("batch_norm", (64, 2048, 8, 8), "float16", "NHWC").one_read
     assert not plan("batch_norm", (64, 2048, 8, 8), "float16", training=False).one_read

@@ -254,7 +254,9 @@ def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend:
     if tuning.bn_one_read_max_threads > MAX_ONE_READ_THREADS:
         raise ValueError(f"plan: bn_one_read_max_threads {tuning.bn_one_read_max_threads}: the "
                          f"kernel takes at most {MAX_ONE_READ_THREADS} (kBnOneReadThreads)")
-    threads = min(tuning.bn_one_read_max_threads, max(64, 1 << (need - 1).bit_length()))
+    blocks = device.smem_per_sm // (smem + static + device.reserved_smem_per_block)
+    most = tuning.bn_one_read_max_threads if blocks <= 2 else tuning.bn_reduce_threads
+    threads = min(most, max(64, 1 << (need - 1).bit_length()))
     what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory: "
             "statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
             + (", ReLU" if relu else "") + (", mask (ORed words)" if mask else ""))

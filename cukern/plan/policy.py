@@ -124,7 +124,11 @@ class Tuning:
     # packs: 74.9 against 66.5)
     bn_one_read_min_pack_bytes_addend: int = 16
     # ... its blocks: about bn_block_min_packs_per_thread packs a thread, 64 threads or more,
-    # at most this many (kernels/batch_norm_parts.cuh: kBnOneReadThreads)
+    # up to bn_reduce_threads, or this many (at most kBnOneReadThreads) where shared memory
+    # leaves room for two blocks an SM or fewer. H100, 512 against 256 threads, % of copy:
+    # 16-bit (64, 512, 28, 28) and (256, 1024, 14, 14) (100 KB a channel) train 75.0 -> 81.1,
+    # 64.3 -> 70.5, + ReLU 66.7 -> 70.9, 53.0 -> 58.2; but 25 KB channels (8 blocks an SM):
+    # fp16 (64, 1024, 14, 14) + ReLU 55.7 -> 51.8; 50 KB: float32 train 79.3 -> 78.7
     bn_one_read_max_threads: int = 512
     # elementwise passes (apply, dx): block threads and the most waves of a grid-strided grid
     bn_apply_threads: int = 256
