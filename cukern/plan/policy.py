@@ -116,8 +116,8 @@ class Tuning:
     # training forward, planes: a channel whose packs (x, and the addend's) take at most this
     # many bytes is held in one block's shared memory and read once, statistics and y in one
     # launch (batch_norm_train_planes); larger channels, and 0, run the two passes. H100,
-    # against the two passes: 16-bit (64, 512, 28, 28) 58.4 -> 74.8% of copy (x read once
-    # counted), (256, 1024, 14, 14) 53.5 -> 64.2, float32 (64, 1024, 14, 14) 54.5 -> 80.0
+    # against the two passes: 16-bit (64, 512, 28, 28) 58.5 -> 81.2% of copy (x read once
+    # counted), (256, 1024, 14, 14) 53.4 -> 70.2, float32 (64, 1024, 14, 14) 54.3 -> 78.8
     bn_one_read_max_bytes: int = 100352
     # ... with an addend, packs of at least this many bytes: fp16 add + ReLU (64, 1024, 14, 14)
     # in 8-byte packs ran at 61.4% of copy in one read, 67.7% in two passes (float32's 16-byte
