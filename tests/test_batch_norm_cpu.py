@@ -953,3 +953,19 @@ def test_one_read_mask_words_model(shape, pack, threads):
             holders.add((ch, (a_idx * w + (e % b) // pack) // 32))
         assert hits[k] <= len(holders), (k, hits[k], holders)
         assert len(holders) > 1 or hits[k] == 1
+
+
+def test_one_read_tuning_is_checked_and_tuned_restores():
+    """A block size past the kernel's launch bound is refused, naming the field; ``tuned``
+    plans with changed fields inside its block only."""
+    from cukern.ops import batch_norm as obn
+
+    bad = dataclasses.replace(HOPPER, bn_one_read_max_threads=1024)
+    with pytest.raises(ValueError, match="bn_one_read_max_threads 1024.*at most 512"):
+        plan("batch_norm", (64, 512, 28, 28), "float16", tuning=bad)
+    shape = (64, 512, 28, 28)
+    assert cukern.explain("batch_norm", shape, "float16", training=True, device="h100").one_read
+    with obn.tuned(bn_one_read_max_bytes=0):
+        assert not cukern.explain("batch_norm", shape, "float16", training=True,
+                                  device="h100").one_read
+    assert cukern.explain("batch_norm", shape, "float16", training=True, device="h100").one_read

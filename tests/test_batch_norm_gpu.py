@@ -413,6 +413,33 @@ def test_one_read_training(shape, expect, dtype, mode, rng):
     check_backward(case, fwd)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_one_read_without_outputs_or_running_stats(dtype, rng):
+    """The one-read kernel with its optional pointers null: y alone (no mean, invstd or
+    mask) equals the full call's bits; without running statistics, weight or bias, y
+    matches the float64 reference and the mask matches y."""
+    from cukern.ops import batch_norm as obn
+
+    case = Case((4, 6, 5, 8), None, dtype, "relu", True, rng)
+    rm, rv = cp.asarray(case.rm), cp.asarray(case.rv)
+    w, b = cp.asarray(case.w), cp.asarray(case.b)
+    full = cukern.batch_norm(case.xd, rm, rv, w, b, True, relu=True, return_stats=True)
+    assert obn.last_plan("batch_norm").one_read
+    poison(case.xd.nbytes)
+    y = cukern.batch_norm(case.xd, None, None, w, b, True, relu=True)
+    assert obn.last_plan("batch_norm").one_read
+    assert cp.asnumpy(y).tobytes() == cp.asnumpy(full[0]).tobytes()
+    bare = cukern.batch_norm(case.xd, None, None, training=True, relu=True, return_stats=True)
+    assert obn.last_plan("batch_norm").one_read
+    xh = case.xh.astype(np.float64)
+    ref = reference.batch_norm(xh, None, None, training=True, relu=True, return_stats=True)
+    assert y_err(bare[0], ref[0], case.xh, ref[1], ref[2]) <= TOL[dtype] * growth(4 * 40)
+    n = bare[0].size  # the mask: bit e of the words is y[e] > 0 (C order here)
+    bits = np.unpackbits(cp.asnumpy(bare[3]).view(np.uint8), bitorder="little")
+    np.testing.assert_array_equal(bits[:n].astype(bool), host(bare[0]).ravel() > 0)
+    assert not bits[n:].any()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_one_read_and_two_pass_agree(dtype, rng):
     """The same training calls through the one-read kernel and through the two passes: y,
