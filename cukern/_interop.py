@@ -8,13 +8,15 @@ import contextlib
 
 import numpy as np
 
+from ._launch import ByPointer
+
 try:
     import cupy as cp
 except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cp = None
 
-__all__ = ["Adapted", "adapt", "fast_arrays", "handed_back", "on_device", "to_torch",
-           "torch_view", "torch_views"]
+__all__ = ["Adapted", "TensorView", "adapt", "empty", "fast_arrays", "handed_back", "on_device",
+           "results", "tensor_view", "to_torch", "torch_view", "torch_views"]
 
 _KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_ROCM = 2, 13, 10
 _ndarray = cp.ndarray if cp is not None else None
@@ -82,11 +84,116 @@ def torch_view(x):
     return cp.from_dlpack(_torch_dlpack().to_dlpack(x))
 
 
+_np_of_torch: dict = {}  # torch dtype -> NumPy dtype (CuPy's), filled on first use
+_torch_of_np: dict = {}
+_torch_devices: dict[int, object] = {}  # GPU index -> torch.device
+
+
+def _dtype_tables() -> None:
+    import torch
+
+    pairs = [(torch.bool, np.bool_), (torch.int8, np.int8), (torch.uint8, np.uint8),
+             (torch.int16, np.int16), (torch.int32, np.int32), (torch.int64, np.int64),
+             (torch.float16, np.float16), (torch.float32, np.float32),
+             (torch.float64, np.float64), (torch.complex64, np.complex64),
+             (torch.complex128, np.complex128)]
+    try:
+        from ml_dtypes import bfloat16
+
+        pairs.append((torch.bfloat16, bfloat16))
+    except ImportError:  # pragma: no cover - ml_dtypes comes with cukern's dependencies
+        pass
+    for t, n in pairs:
+        _np_of_torch[t] = np.dtype(n)
+        _torch_of_np[np.dtype(n)] = t
+
+
+class TensorView(ByPointer):
+    """A CUDA PyTorch tensor as the ops' fast paths read a CuPy array (``shape``, ``strides``
+    in bytes, NumPy ``dtype``, ``data.ptr``, ``data.device_id``), built without a DLPack
+    exchange: launches take its address (:class:`cukern._launch.ByPointer`) and results are
+    allocated by PyTorch (:meth:`empty`), so neither side wraps the other's memory. Only for
+    tensors on CuPy's current stream (:func:`tensor_views`)."""
+
+    __slots__ = ("tensor", "shape", "strides", "dtype", "ptr", "device_id")
+
+    def __init__(self, t, dtype, device_id: int):
+        self.tensor = t
+        self.shape = tuple(t.shape)
+        self.dtype = dtype
+        item = dtype.itemsize
+        self.strides = tuple([s * item for s in t.stride()])
+        self.ptr = t.data_ptr()
+        self.device_id = device_id
+
+    @property
+    def data(self):  # CuPy's ``a.data.ptr`` and ``a.data.device_id``
+        return self
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def empty(self, shape, dtype) -> TensorView:
+        """A new C-contiguous tensor on this tensor's GPU, allocated by PyTorch on its current
+        stream (CuPy's: the stream the kernels run on)."""
+        import torch
+
+        dev = _torch_devices.get(self.device_id)
+        if dev is None:
+            dev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
+        dtype = np.dtype(dtype)
+        return TensorView(torch.empty(shape, dtype=_torch_of_np[dtype], device=dev), dtype,
+                          self.device_id)
+
+    def transpose(self, axes) -> TensorView:
+        return TensorView(self.tensor.permute(axes), self.dtype, self.device_id)
+
+
+def empty(like, shape, dtype):
+    """A new C-contiguous array of ``like``'s kind (a CuPy array, or a :class:`TensorView`'s
+    tensor) on the current device (the ops call it with ``like``'s GPU current)."""
+    if type(like) is _ndarray:
+        return cp.empty(shape, dtype)
+    return like.empty(shape, dtype)
+
+
+def results(res):
+    """A fast path's results (an array, or a tuple of arrays and Nones) as the caller's kind:
+    CuPy arrays as they are, :class:`TensorView` results as their tensors."""
+    if type(res) is TensorView:
+        return res.tensor
+    if type(res) is tuple:
+        return tuple([r.tensor if type(r) is TensorView else r for r in res])
+    return res
+
+
+def tensor_view(x, checked: int = -1) -> TensorView | None:
+    """:class:`TensorView` of ``x`` when it is a CUDA PyTorch tensor, not requiring grad, of a
+    dtype CuPy has, and PyTorch's current stream on its GPU is CuPy's current stream there
+    (compared unless that GPU is ``checked``); else None (the full path then adapts, checks
+    and refuses)."""
+    if type(x).__module__ != "torch" or not x.is_cuda or x.requires_grad:
+        return None
+    if not _np_of_torch:
+        _dtype_tables()
+    dtype = _np_of_torch.get(x.dtype)
+    if dtype is None:
+        return None
+    dev = x.get_device()
+    if dev != checked and _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
+        return None
+    return TensorView(x, dtype, dev)
+
+
 def torch_views(arrays) -> list | None:
-    """The ops' PyTorch fast paths: :func:`torch_view` of each of ``arrays`` (None stays None),
-    or None unless every other one is a CUDA tensor not requiring grad on CuPy's current stream
-    of its GPU (the full path then adapts, checks and refuses them). The streams are compared
-    once a GPU."""
+    """The ops' PyTorch fast paths: :func:`tensor_view` of each of ``arrays`` (None stays
+    None), or None unless every other one is a CUDA tensor not requiring grad on CuPy's current
+    stream of its GPU. The streams are compared once a GPU."""
     if cp is None:
         return None
     views = []
@@ -95,21 +202,19 @@ def torch_views(arrays) -> list | None:
         if a is None:
             views.append(None)
             continue
-        if type(a).__module__ != "torch" or not a.is_cuda or a.requires_grad:
+        v = tensor_view(a, checked)
+        if v is None:
             return None
-        dev = a.get_device()
-        if dev != checked:
-            if _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
-                return None
-            checked = dev
-        views.append(cp.from_dlpack(_torch_dlpack().to_dlpack(a)))
+        checked = v.device_id
+        views.append(v)
     return views
 
 
 def fast_arrays(x, arrays):
     """What an op's fast path reads of its array arguments (``x`` one of them): ``arrays`` as
-    they are when ``x`` is a CuPy array, their CuPy views (:func:`torch_views`) when it is a
-    PyTorch tensor, else None. (The key then tells whether the others are CuPy arrays.)"""
+    they are when ``x`` is a CuPy array, their :class:`TensorView` (:func:`torch_views`) when
+    it is a PyTorch tensor, else None. (The key then tells whether the others are CuPy
+    arrays.)"""
     if type(x) is _ndarray:
         return arrays
     if type(x).__module__ == "torch":

@@ -7,6 +7,7 @@ pointers to the slots; a call writes the slots and hands both to the driver, whi
 values before it returns. Arguments of a call, in the kernel's order:
 
 - a CuPy array: its device pointer;
+- a :class:`ByPointer` (a PyTorch tensor as the fast paths see it): its ``ptr``;
 - a Python int: the slot's 64 bits as they are (a pointer, or a value from :func:`bits`);
 - ``None``: a null pointer;
 - a NumPy scalar of at most 8 bytes: its bytes (little-endian, as the kernel reads them);
@@ -25,7 +26,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["ByValue", "LaunchConfig", "RawLaunch", "bits", "driver_function", "launch_config"]
+__all__ = ["ByPointer", "ByValue", "LaunchConfig", "RawLaunch", "bits", "driver_function",
+           "launch_config"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -125,12 +127,21 @@ class ByValue:
         self.buffer = ctypes.create_string_buffer(data, len(data))
 
 
+class ByPointer:
+    """Base of device arrays passed to a launch by their address ``ptr`` (an int): PyTorch
+    tensors as the ops' fast paths see them (:class:`cukern._interop.TensorView`)."""
+
+    __slots__ = ()
+
+
 def _slot(a) -> int:
     """One argument's slot value (the slow cases of :meth:`RawLaunch.__call__`)."""
     if a is None:
         return 0
     if isinstance(a, _ndarray):
         return a.data.ptr
+    if isinstance(a, ByPointer):
+        return a.ptr
     return bits(a)
 
 

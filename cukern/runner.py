@@ -31,10 +31,14 @@ from ._capture import capture_safe, keep  # noqa: F401  (the ops' capture safety
 # the ops reach these as runner.*
 from ._interop import (  # noqa: F401
     Adapted,
+    TensorView,
     adapt,
+    empty,
     fast_arrays,
     handed_back,
     on_device,
+    results,
+    tensor_view,
     to_torch,
     torch_view,
     torch_views,

@@ -138,14 +138,15 @@ def typed(v):
 
 def fresh_key(op: str, args, extra: tuple):
     """The fast-path key of a call (None when an argument rules the fast path out): ``args``
-    are the CuPy arrays (or None) the kernels would read, a PyTorch tensor's CuPy view for it.
-    Flat: each array's shape, strides, dtype and device, and the OR of their pointers' low
-    bits (the alignment the plan was made for); None arguments add an empty tuple."""
-    nd = c.cp.ndarray
+    are the CuPy arrays (or None) the kernels would read, a PyTorch tensor's
+    :class:`~cukern.runner.TensorView` for it. Flat: each array's shape, strides, dtype and
+    device, and the OR of their pointers' low bits (the alignment the plan was made for); None
+    arguments add an empty tuple."""
+    nd, tv = c.cp.ndarray, c.TensorView
     key = [op]
     bits = 0
     for a in args:
-        if type(a) is nd:
+        if type(a) is nd or type(a) is tv:
             data = a.data
             key += (a.shape, a.strides, a.dtype, data.device_id)
             bits |= data.ptr

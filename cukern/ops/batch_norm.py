@@ -34,25 +34,26 @@ from .batch_norm_args import (
     check_statistics,
 )
 from .batch_norm_launch import (
+    _Backward,
     _Forward,
     _Kernel,
     _last,
     _Launches,
-    backward_launch,
     stats_launch,
 )
 
 __all__ = ["batch_norm", "batch_norm_backward", "batch_stats", "last_plan"]
 
 _launches: dict[tuple, _Launches] = c.BoundedDict()
-# The fast paths: a CuPy call (or one of PyTorch tensors on CuPy's stream, through their CuPy
-# views) whose arrays' layouts and scalars' types the full path validated and planned before
-# -> its launches: batch_norm's key (_fresh_key) -> _Forward; batch_norm_backward's
-# (_backward_key) and batch_stats' (("batch_stats", x's layout, axis)) -> (plan, steps, device).
+# The fast paths: a CuPy call (or one of PyTorch tensors on CuPy's stream, as TensorViews,
+# their results allocated by PyTorch) whose arrays' layouts and scalars' types the full path
+# validated and planned before -> its launches: batch_norm's key (_fresh_key) -> _Forward;
+# batch_norm_backward's (_backward_key) and batch_stats' (("batch_stats", x's layout, axis))
+# -> (plan, steps, device).
 _fresh: dict[tuple, object] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_torch_view, _torch_views, _to_torch = c.torch_view, c.torch_views, c.to_torch
+_tensor_view, _torch_views, _results = c.tensor_view, c.torch_views, c.results
 _fast_arrays = c.fast_arrays
 
 
@@ -146,8 +147,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
 
 def _fast_torch(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum, eps):
     """batch_norm's fast path for PyTorch tensors on CuPy's current stream (every array one):
-    their CuPy views through the CuPy fast path (the running statistics updated in the
-    tensors' memory), the results as tensors; None where it does not apply."""
+    their TensorViews through the CuPy fast path's launches (the running statistics updated in
+    the tensors' memory), the results new tensors; None where it does not apply."""
     views = _torch_views((x, rm, rv, w, b, z))
     if views is None:
         return None
@@ -156,12 +157,7 @@ def _fast_torch(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum
     fwd = _fresh.get(key) if key is not None else None
     if fwd is None or fwd.device != _get_device():
         return None
-    res = fwd.fresh(xv, rm, rv, w, b, z, momentum, eps, return_stats)
-    if not return_stats:
-        return _to_torch(res)
-    y, mean, invstd, mask = res
-    return (_to_torch(y), _to_torch(mean), _to_torch(invstd),
-            None if mask is None else _to_torch(mask))
+    return _results(fwd.fresh(xv, rm, rv, w, b, z, momentum, eps, return_stats))
 
 
 @c.capture_safe
@@ -300,19 +296,16 @@ def batch_norm_backward(dy, x, mean, invstd, weight=None, *, axis: int = 1, mask
     """
     args = _fast_arrays(x, (dy, x, mean, invstd, weight, mask))  # CuPy, or tensors' views
     key = _backward_key(*args, axis, addend, training) if args is not None else None
-    hit = _fresh.get(key) if key is not None else None
-    if hit is not None and hit[2] == _get_device():
-        plan, steps = hit[0], hit[1]
+    bwd = _fresh.get(key) if key is not None else None
+    if bwd is not None and bwd.device == _get_device():
         dyv, xv, mu, ist, w, m = args
-        sdt = _stat_dtype(plan.dtype)
-        nch = plan.view.channels
         dx = _empty_like(xv)
         da = _empty_like(xv) if addend else None
-        dwt, dbs = c.cp.empty((nch,), sdt), c.cp.empty((nch,), sdt)
-        backward_launch(plan, steps, dyv, xv, m, mu, ist, w, dx, da, dwt, dbs, training)
-        _last["batch_norm_backward"] = plan
+        dwt, dbs = c.empty(xv, (bwd.nch,), bwd.sdt), c.empty(xv, (bwd.nch,), bwd.sdt)
+        bwd(dyv, xv, m, mu, ist, w, dx, da, dwt, dbs)
+        _last["batch_norm_backward"] = bwd.plan
         res = (dx, dwt, dbs, da) if addend else (dx, dwt, dbs)
-        return res if xv is x else tuple([_to_torch(r) for r in res])
+        return res if xv is x else _results(res)
     return _batch_norm_backward(dy, x, mean, invstd, weight, axis, mask, addend, training, key)
 
 
@@ -371,12 +364,15 @@ def _batch_norm_backward(dy, x, mean, invstd, weight, axis, mask, addend, traini
         else:
             w_k, _ = _compute_copy(w, sdt)
             arrays = [xw, dyw, dx, da]
-            plan, steps, _ = _get_plan("batch_norm_backward", dtype, dev, view, arrays, copied,
-                                    training=training, addend=addend, mask=m is not None)
-            backward_launch(plan, steps, dyw, xw, m, mu, ist, w_k, dx, da, dwt, dbs, training)
+            plan, steps, hit = _get_plan("batch_norm_backward", dtype, dev, view, arrays,
+                                         copied, training=training, addend=addend,
+                                         mask=m is not None)
+            if hit.bwd is None:
+                hit.bwd = _Backward(plan, steps, dev, training)
+            hit.bwd(dyw, xw, m, mu, ist, w_k, dx, da, dwt, dbs)
             _last["batch_norm_backward"] = plan
             if fresh and not copied and dyw is dya and w_k is w:
-                _fresh[fresh_key] = (plan, steps, dev)
+                _fresh[fresh_key] = hit.bwd
         if wdt != dwt.dtype:
             dwt, dbs = dwt.astype(wdt), dbs.astype(wdt)
     wrap = ax.wrap
@@ -405,8 +401,7 @@ def batch_stats(x, *, axis: int = 1):
     """
     key = None
     if type(axis) is int:
-        xv = x if type(x) is _ndarray else (
-            _torch_view(x) if type(x).__module__ == "torch" else None)
+        xv = x if type(x) is _ndarray else _tensor_view(x)
         if xv is not None:
             key = ("batch_stats", xv.dtype, xv.shape, xv.strides, xv.data.ptr & 15,
                    xv.data.device_id, axis)
@@ -414,11 +409,11 @@ def batch_stats(x, *, axis: int = 1):
             if hit is not None and hit[2] == _get_device():
                 plan = hit[0]
                 sdt = _stat_dtype(plan.dtype)
-                mean = c.cp.empty((plan.view.channels,), sdt)
-                var = c.cp.empty((plan.view.channels,), sdt)
+                mean = c.empty(xv, (plan.view.channels,), sdt)
+                var = c.empty(xv, (plan.view.channels,), sdt)
                 stats_launch(plan, hit[1], xv, mean, var)
                 _last["batch_stats"] = plan
-                return (mean, var) if xv is x else (_to_torch(mean), _to_torch(var))
+                return (mean, var) if xv is x else (mean.tensor, var.tensor)
     return _batch_stats(x, axis, key)
 
 

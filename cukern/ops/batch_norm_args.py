@@ -133,12 +133,28 @@ def _working(xa, axis: int):
 
 
 def _empty_like(a):
-    """An uninitialised array with ``a``'s shape, dtype and (dense) memory layout."""
-    if a.flags.c_contiguous:
+    """An uninitialised array with ``a``'s shape, dtype and (dense) memory layout, of ``a``'s
+    kind (a CuPy array, or a PyTorch tensor's :class:`~cukern.runner.TensorView`)."""
+    if type(a) is _ndarray and a.flags.c_contiguous:
         return c.cp.empty(a.shape, a.dtype)
-    order = sorted(range(a.ndim), key=lambda i: (-abs(a.strides[i]), i))
-    base = c.cp.empty(tuple(a.shape[i] for i in order), a.dtype)
+    nd = len(a.shape)
+    order = sorted(range(nd), key=lambda i: (-abs(a.strides[i]), i))
+    if order == list(range(nd)) or _c_contiguous(a.shape, a.strides, a.dtype.itemsize):
+        return c.empty(a, a.shape, a.dtype)
+    base = c.empty(a, tuple(a.shape[i] for i in order), a.dtype)
     return base.transpose(tuple(int(i) for i in np.argsort(order)))
+
+
+def _c_contiguous(shape, strides, item: int) -> bool:
+    """CuPy's (and NumPy's) C-contiguity: the strides of the dimensions longer than 1."""
+    want = item
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 0:
+            return True
+        if n != 1 and s != want:
+            return False
+        want *= n
+    return True
 
 
 def _copy_like(src, like):
@@ -151,6 +167,7 @@ def _copy_like(src, like):
 # The fast paths' keys (cukern.ops.batch_norm).
 
 _ndarray = c.cp.ndarray if c.cp is not None else None
+_TensorView = c.TensorView
 # eps the fast path takes as it is: what c.check_eps accepts for every dtype (float32's normal
 # range); any other goes through the full checks
 _EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
@@ -158,10 +175,10 @@ _EPS_LO, _EPS_HI = c.EPS_RANGE["float32"]
 
 def _param_key(a):
     """An optional per-channel array's part of a key: None for None, False (no key) for an
-    array that is not CuPy (a tensor's CuPy view is)."""
+    array that is neither CuPy nor a tensor's :class:`~cukern.runner.TensorView`."""
     if a is None:
         return None
-    if type(a) is not _ndarray:
+    if type(a) is not _ndarray and type(a) is not _TensorView:
         return False
     return (a.dtype, a.shape, a.strides, a.data.device_id)
 
@@ -176,7 +193,7 @@ def _fresh_key(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum,
         return None
     zk = None
     if z is not None:
-        if type(z) is not _ndarray:
+        if type(z) is not _ndarray and type(z) is not _TensorView:
             return None
         zk = (z.dtype, z.shape, z.strides, z.data.ptr & 15, z.data.device_id)
     params = (_param_key(rm), _param_key(rv), _param_key(w), _param_key(b))
@@ -188,13 +205,13 @@ def _fresh_key(x, rm, rv, w, b, z, axis, training, relu, return_stats, momentum,
 
 def _backward_key(dy, x, mean, invstd, w, m, axis, addend, training):
     """batch_norm_backward's fast-path key (None where the full checks are needed): every
-    array CuPy (a tensor's view), its dtype, shape, strides and device, dy's and x's
-    alignment, the switches as given."""
+    array CuPy (or every one a tensor's TensorView), its dtype, shape, strides and device, dy's
+    and x's alignment, the switches as given."""
     if not (type(axis) is int and type(addend) is bool and type(training) is bool
-            and type(dy) is _ndarray and type(mean) is _ndarray and type(invstd) is _ndarray):
+            and (type(dy) is _ndarray or type(dy) is _TensorView)):
         return None
     arrays = (_param_key(mean), _param_key(invstd), _param_key(w), _param_key(m))
-    if False in arrays:
+    if False in arrays or arrays[0] is None or arrays[1] is None:
         return None
     return ("batch_norm_backward", x.dtype, x.shape, x.strides, x.data.ptr & 15,
             x.data.device_id, dy.dtype, dy.shape, dy.strides, dy.data.ptr & 15,

@@ -35,12 +35,13 @@ class _Kernel(RawLaunch):
 
 
 class _Launches:
-    __slots__ = ("plan", "steps", "fwd")
+    __slots__ = ("plan", "steps", "fwd", "bwd")
 
     def __init__(self, plan, steps):
         self.plan = plan
         self.steps = steps
         self.fwd: _Forward | None = None  # batch_norm's launches with their fixed arguments
+        self.bwd: _Backward | None = None  # batch_norm_backward's
 
 
 class _Forward:
@@ -84,7 +85,7 @@ class _Forward:
         cdt = self.cdt
         if self.one_read is not None:
             if mask is not None:  # the kernel ORs its bits into zeroed words
-                c.cp.cuda.runtime.memsetAsync(mask.data.ptr, 0, mask.nbytes,
+                c.cp.cuda.runtime.memsetAsync(mask.data.ptr, 0, 4 * self.words,
                                               c.cp.cuda.get_current_stream().ptr)
             self.one_read(x, _arg(z), y, _arg(mask), *self.one_read_tail, self.count,
                           self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
@@ -110,12 +111,12 @@ class _Forward:
 
     def fresh(self, x, rm, rv, w, b, z, momentum, eps, return_stats: bool):
         """The fast path: new outputs for a validated layout, then the launches."""
-        y = _empty_like(x)
-        mask = c.cp.empty((self.words,), np.int32) if self.want_mask else None
+        y = _empty_like(x)  # of x's kind: CuPy, or a tensor's TensorView
+        mask = c.empty(x, (self.words,), np.int32) if self.want_mask else None
         mean = invstd = None
         if return_stats:
-            mean = c.cp.empty((self.nch,), self.cdt)
-            invstd = c.cp.empty((self.nch,), self.cdt)
+            mean = c.empty(x, (self.nch,), self.cdt)
+            invstd = c.empty(x, (self.nch,), self.cdt)
         self(x, z, y, mask, mean, invstd, rm, rv, w, b, momentum, eps)
         _last["batch_norm"] = self.plan
         return (y, mean, invstd, mask) if return_stats else y
@@ -172,26 +173,45 @@ def _scalar(cdt, v) -> int:
     return r
 
 
-def backward_launch(plan, steps, dy, x, m, mu, ist, w, dx, da, dwt, dbs, training: bool) -> None:
-    """batch_norm_backward's launches (its full path's and its fast path's): the gradient sums
-    per channel into ``dwt``, ``dbs`` and the coefficients (partials and their merge where the
-    plan splits channels), then ``dx`` (and ``da``); the temporaries kept while capturing."""
-    a_, ch, inner = plan.view
-    sdt = _stat_dtype(plan.dtype)
-    part = c.cp.empty((ch, plan.splits, 2), sdt) if plan.splits > 1 else None
-    coef = c.cp.empty((ch, 4), sdt)
-    c.keep(part, coef)  # a captured graph writes them on every replay
-    finish = (sdt(a_ * inner), np.int32(training), ist, _arg(w), dwt, dbs, coef)
-    red = steps[0]
-    if plan.layout == bnplan.PLANES:
-        red(dy, x, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
-            np.int32(plan.splits), *finish)
-    else:
-        red(dy, x, _arg(m), mu, _arg(part), np.int64(a_), np.int32(ch // red.pack),
-            np.int32(plan.splits), *finish)
-    if steps[1].kind == "grad_finalize":
-        steps[1](part, np.int32(plan.splits), np.int32(ch), mu, *finish)
-    steps[-1](dy, x if training else _NULL, _arg(m), coef, dx, _arg(da), *_flat_args(plan))
+class _Backward:
+    """batch_norm_backward's launches for one layout and set of switches, with the arguments
+    that do not change from call to call converted once; what both the full path and the fast
+    path run. A call: the gradient sums per channel into ``dwt``, ``dbs`` and the coefficients
+    (partials and their merge where the plan splits channels), then ``dx`` (and ``da``); the
+    temporaries kept while capturing."""
+
+    __slots__ = ("plan", "device", "sdt", "nch", "part_shape", "reduce", "merge", "apply",
+                 "count", "training", "reduce_tail", "merge_head", "apply_tail")
+
+    def __init__(self, plan, steps, device_id: int, training: bool):
+        a_, ch, inner = plan.view
+        sdt = _stat_dtype(plan.dtype)
+        self.plan, self.device, self.sdt, self.nch = plan, device_id, sdt, ch
+        self.part_shape = (ch, plan.splits, 2) if plan.splits > 1 else None
+        self.reduce, self.apply = steps[0], steps[-1]
+        self.merge = steps[1] if steps[1].kind == "grad_finalize" else None
+        cs = c._c_scalars
+        self.count, self.training = cs((sdt(a_ * inner), np.int32(training)))
+        if plan.layout == bnplan.PLANES:
+            self.reduce_tail = cs((np.int64(a_), np.int32(ch), *_plane_args(plan),
+                                   np.int32(plan.splits)))
+        else:
+            self.reduce_tail = cs((np.int64(a_), np.int32(ch // self.reduce.pack),
+                                   np.int32(plan.splits)))
+        self.merge_head = cs((np.int32(plan.splits), np.int32(ch)))
+        self.apply_tail = cs(_flat_args(plan))
+
+    def __call__(self, dy, x, m, mu, ist, w, dx, da, dwt, dbs) -> None:
+        sdt = self.sdt
+        part = c.cp.empty(self.part_shape, sdt) if self.part_shape is not None else None
+        coef = c.cp.empty((self.nch, 4), sdt)
+        c.keep(part, coef)  # a captured graph writes them on every replay
+        finish = (self.count, self.training, ist, _arg(w), dwt, dbs, coef)
+        self.reduce(dy, x, _arg(m), mu, _arg(part), *self.reduce_tail, *finish)
+        if self.merge is not None:
+            self.merge(part, *self.merge_head, mu, *finish)
+        self.apply(dy, x if self.training else _NULL, _arg(m), coef, dx, _arg(da),
+                   *self.apply_tail)
 
 
 def stats_launch(plan, steps, xw, mean, var) -> None:

@@ -34,7 +34,7 @@ _launches: dict[tuple, _Launches] = c.BoundedDict()
 _fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: dict[str, _plan.Plan] = {}  # op -> the plan of its latest call (last_plan)
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_fast_arrays, _to_torch = c.fast_arrays, c.to_torch
+_fast_arrays, _results = c.fast_arrays, c.results
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
@@ -197,25 +197,18 @@ def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_s
             xv = args[0]
             if hit is not None and xv.data.device_id == _get_device():
                 launch, lead, sdt, eps_c = hit
-                y = c.cp.empty(xv.shape, xv.dtype)
+                new = c.cp.empty if xv is x else xv.empty  # the caller's kind
+                y = new(xv.shape, xv.dtype)
                 layer = op == "layer_norm"
-                mean = c.cp.empty(lead, sdt) if return_stats and layer else None
-                rstd = c.cp.empty(lead, sdt) if return_stats else None
+                mean = new(lead, sdt) if return_stats and layer else None
+                rstd = new(lead, sdt) if return_stats else None
                 launch.main(xv, _NULL, _arg(args[1]), _arg(args[2]), y, _NULL, _arg(mean),
                             _arg(rstd), eps_c)
                 _last[op] = launch.main.plan
                 res = ((y, mean, rstd) if layer else (y, rstd)) if return_stats else y
-                return res if xv is x else _as_torch(res)
+                return res if xv is x else _results(res)
     return _forward_checked(op, x, normalized_shape, weight, bias, eps, residual, return_stats,
                             out, key)
-
-
-def _as_torch(res):
-    """A fast path's CuPy results (an array, or a tuple of arrays and Nones) as PyTorch
-    tensors (:func:`cukern.runner.to_torch`: its inputs were on CuPy's stream)."""
-    if type(res) is not tuple:
-        return _to_torch(res)
-    return tuple([None if r is None else _to_torch(r) for r in res])
 
 
 @c.capture_safe
@@ -310,16 +303,17 @@ def _backward(op: str, dy, x, mean, rstd, weight, bias):
             xv = args[1]
             if hit is not None and xv.data.device_id == _get_device():
                 launch, ns = hit[0], hit[1]
-                dx = c.cp.empty(xv.shape, xv.dtype)
+                new = c.cp.empty if xv is x else xv.empty  # the caller's kind
+                dx = new(xv.shape, xv.dtype)
                 layer = op == "layer_norm_backward"
                 dw = db = None
                 if weight is not None:
-                    dw = c.cp.empty(ns, args[4].dtype)  # the parameters' dtype
-                    db = c.cp.empty(ns, args[4].dtype) if layer else None
+                    dw = new(ns, args[4].dtype)  # the parameters' dtype
+                    db = new(ns, args[4].dtype) if layer else None
                 _launch_backward(launch, layer, args[0], xv, args[2], args[3], args[4], dx, dw,
                                  db)
                 res = (dx, dw, db) if layer else (dx, dw)
-                return res if xv is x else _as_torch(res)
+                return res if xv is x else _results(res)
     return _backward_checked(op, dy, x, mean, rstd, weight, bias, key)
 
 

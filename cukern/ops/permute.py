@@ -21,7 +21,7 @@ _fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: list = [None]  # the plan of the latest launch
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_torch_view, _to_torch = c.torch_view, c.to_torch
+_tensor_view = c.tensor_view
 _DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel may use without opting in
 
 
@@ -105,7 +105,8 @@ def _convert(fn: str, x, axes_of, layout: str, out):
 
 
 def _fast(x, axes):
-    """The result for a CuPy input whose layout and axes were planned before, or None."""
+    """The result for a CuPy input (or a tensor's TensorView) whose layout and axes were
+    planned before, of its kind; or None."""
     if not (axes is None or type(axes) is tuple or type(axes) is list):
         return None
     key = (x.shape, x.strides, x.dtype, axes if type(axes) is not list else tuple(axes),
@@ -115,19 +116,17 @@ def _fast(x, axes):
     if hit is None or hit[0].device_id != _get_device() or (
             axes is not None and not all(type(a) is int for a in axes)):
         return None
-    y = c.cp.empty(hit[1], x.dtype)
+    y = c.cp.empty(hit[1], x.dtype) if type(x) is _ndarray else x.empty(hit[1], x.dtype)
     hit[0](x, y)
     return y
 
 
 def _fast_torch(x, axes):
-    """:func:`_fast` for a PyTorch tensor on CuPy's current stream, the result as a tensor;
+    """:func:`_fast` for a PyTorch tensor on CuPy's current stream, the result a new tensor;
     None otherwise."""
-    if type(x).__module__ != "torch":
-        return None
-    v = _torch_view(x)
+    v = _tensor_view(x)
     y = _fast(v, axes) if v is not None else None
-    return _to_torch(y) if y is not None else None
+    return y.tensor if y is not None else None
 
 
 def nhwc_axes(ndim: int) -> tuple[int, ...]:

@@ -13,11 +13,11 @@ _launches: dict[tuple, c.Launch] = c.BoundedDict()
 # The fast path: (op, axis, shape, strides, dtype, pointer alignment, device) of a CuPy input
 # already validated and planned with a fresh C-contiguous output -> its Launch; a backward's
 # key (_key2) has both inputs' shapes, strides, dtypes and devices. PyTorch tensors on CuPy's
-# current stream take it through their CuPy views (_interop.torch_view).
+# current stream take it as TensorViews (_interop.tensor_view), their results allocated by PyTorch.
 _fresh: dict[tuple, c.Launch] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_torch_view, _torch_views, _to_torch = c.torch_view, c.torch_views, c.to_torch
+_tensor_view, _torch_views = c.tensor_view, c.torch_views
 
 
 def softmax(x, axis: int = -1, *, out=None):
@@ -110,12 +110,17 @@ def _fast(op: str, x, axis: int):
 
 
 def _fast_torch(op: str, x, axis: int):
-    """:func:`_fast` for a PyTorch tensor on CuPy's current stream (None otherwise)."""
-    if type(x).__module__ != "torch":
+    """:func:`_fast` for a PyTorch tensor on CuPy's current stream, the result a new tensor
+    (None otherwise)."""
+    v = _tensor_view(x)
+    if v is None:
         return None
-    v = _torch_view(x)
-    y = _fast(op, v, axis) if v is not None else None
-    return _to_torch(y) if y is not None else None
+    launch = _fresh.get((op, axis, v.shape, v.strides, v.dtype, v.ptr & 15, v.device_id))
+    if launch is None or launch.device_id != _get_device():
+        return None
+    y = v.empty(v.shape, v.dtype)
+    launch(v, y)
+    return y.tensor
 
 
 def _key2(op: str, axis: int, y, dy) -> tuple:
@@ -140,9 +145,9 @@ def _fast_backward(op: str, y, dy, axis: int):
     launch = _fresh.get(_key2(op, axis, y, dy))
     if launch is None or launch.device_id != _get_device():
         return None
-    dx = c.cp.empty(y.shape, y.dtype)
+    dx = y.empty(y.shape, y.dtype) if tensors else c.cp.empty(y.shape, y.dtype)
     launch(y, dy, dx)
-    return _to_torch(dx) if tensors else dx
+    return dx.tensor if tensors else dx
 
 
 @c.capture_safe
