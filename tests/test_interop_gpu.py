@@ -355,6 +355,57 @@ def test_same_stream_tensors_take_the_fast_path(name, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
+def test_fast_path_results_come_from_pytorchs_allocator(name, rng):
+    """A repeated tensor call's results are allocated by PyTorch's caching allocator on its
+    current stream (no CuPy memory handed over through DLPack): PyTorch's count of allocated
+    bytes grows by at least their size while they live, and falls back once they are gone."""
+    torch = _torch()
+    _, _, call, _ = _cases()[name]
+    host = _host(rng)
+    for _ in range(2):
+        call(cukern, _kinds(torch, host)[1])  # the second call takes the fast path
+    tensors = _kinds(torch, host)[1]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    res = call(cukern, tensors)
+    res = list(res) if isinstance(res, tuple) else [res]
+    grown = torch.cuda.memory_allocated() - before
+    size = sum(r.numel() * r.element_size() for r in res if r is not None)
+    assert size > 0 and grown >= size, f"{name}: PyTorch allocated {grown} of {size} bytes"
+    del res
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_fast_path_takes_tensors_of_every_float_dtype(dtype, rng, monkeypatch):
+    """Tensors of each float dtype find the fast-path entry their first call made (their
+    dtype's key is CuPy's), and give the CuPy call's bits."""
+    from cukern import runner
+    from cukern.ops import layer_norm as ln
+    from cukern.ops import softmax as sm
+
+    torch = _torch()
+    tdt = getattr(torch, dtype)
+    for mod, full, call in ((sm, "_run", lambda t, w: (cukern.softmax(t),)),
+                            (ln, "_forward_checked", lambda t, w: cukern.layer_norm(
+                                t, 64, w, return_stats=True))):
+        calls = _count_full_path(monkeypatch, mod, full)
+        monkeypatch.setattr(mod, "_fresh", runner.BoundedDict())
+        for rep in range(2):
+            t = torch.as_tensor(rng.standard_normal((8, 64)), device="cuda").to(tdt)
+            w = torch.as_tensor(rng.uniform(0.5, 1.5, 64), device="cuda").to(tdt)
+            got = call(t, w)
+            assert len(calls) == 1, f"{dtype} call {rep + 1}: the full path ran {len(calls)}"
+            # the CuPy call of the same data takes the same entry
+            want = call(cp.from_dlpack(t), cp.from_dlpack(w))
+            assert len(calls) == 1
+            for g, w in zip(got, want):
+                assert isinstance(g, torch.Tensor)
+                assert g.view(torch.uint8).cpu().numpy().tobytes() == cp.asnumpy(
+                    w.view(cp.uint8)).tobytes()
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_tensors_on_a_side_stream_are_exchanged_in_order(name, rng, monkeypatch):
     """With the layout's fast path ready, tensors made on a side stream take the full path
     (the DLPack handshake), and results and running statistics read on that stream right after
