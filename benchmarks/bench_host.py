@@ -12,7 +12,9 @@ autograd calls; JAX's are jitted.
     python benchmarks/bench_host.py [--out DIR]
 
 Writes host_<gpu>.json and .png, appends a row per (op, input kind) to history.csv (times in
-microseconds in the note), prints the table and the targets met or missed.
+microseconds in the note), prints the table and the targets met or missed. The JSON's
+``exchange_us`` has the bare DLPack exchanges (PyTorch and JAX to CuPy and back) and a
+trivial jitted JAX call: the floor of a JAX array's trip through cukern.
 """
 
 from __future__ import annotations
@@ -182,6 +184,37 @@ def measure() -> list[dict]:
     return rows
 
 
+def exchange_us() -> dict:
+    """Host time of the bare DLPack exchanges a JAX call needs (its input to CuPy, a CuPy
+    result to JAX) beside PyTorch's, and JAX's own cheapest jitted call: what bounds a JAX
+    array's trip through cukern from below."""
+    x = cp.zeros((ROWS, COLS), cp.float32)
+    out = {}
+    try:
+        import torch
+        from torch.utils import dlpack as tdl
+
+        t = torch.zeros((ROWS, COLS), device="cuda")
+        out["torch_tensor_to_cupy"] = _bench.enqueue_us(lambda: cp.from_dlpack(tdl.to_dlpack(t)))
+        out["cupy_to_torch_tensor"] = _bench.enqueue_us(lambda: torch.from_dlpack(x))
+    except ImportError:
+        pass
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        j = jnp.zeros((ROWS, COLS), jnp.float32)
+        ident = jax.jit(lambda v: v + 0)
+        ident(j).block_until_ready()
+        out["jax_array_to_cupy"] = _bench.enqueue_us(lambda: cp.from_dlpack(j))
+        out["cupy_to_jax_array"] = _bench.enqueue_us(lambda: jnp.from_dlpack(x))
+        out["jax_jit_add_zero"] = _bench.enqueue_us(lambda: ident(j))
+    except ImportError:
+        pass
+    print(" ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def check_targets(rows: list[dict]) -> list[str]:
     misses = []
     for r in rows:
@@ -228,7 +261,9 @@ def main() -> None:
     device = cukern.DeviceSpec.from_device().name
     run = _results.Run(args.out, "host", device)
     rows = measure()
-    run.save({"shape": [ROWS, COLS], "batch_norm_shape": list(BN_SHAPE), "results": rows})
+    exchange = exchange_us()
+    run.save({"shape": [ROWS, COLS], "batch_norm_shape": list(BN_SHAPE), "results": rows,
+              "exchange_us": exchange})
     plot(rows, run.png_path, f"cukern host time a call on {device}, tiny float32 arrays")
     run.append([dict(op=r["op"], dtype=r["dtype"], rows=ROWS, cols=COLS,
                      variant="host time, tiny arrays",
