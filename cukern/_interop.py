@@ -85,11 +85,13 @@ def torch_view(x):
 
 
 _np_of_torch: dict = {}  # torch dtype -> NumPy dtype (CuPy's), filled on first use
-_torch_of_np: dict = {}
+_torch_of_np: dict = {}  # NumPy dtype or scalar type -> torch dtype
 _torch_devices: dict[int, object] = {}  # GPU index -> torch.device
+_torch = None  # the torch module, once a tensor was seen
 
 
 def _dtype_tables() -> None:
+    global _torch
     import torch
 
     pairs = [(torch.bool, np.bool_), (torch.int8, np.int8), (torch.uint8, np.uint8),
@@ -105,7 +107,8 @@ def _dtype_tables() -> None:
         pass
     for t, n in pairs:
         _np_of_torch[t] = np.dtype(n)
-        _torch_of_np[np.dtype(n)] = t
+        _torch_of_np[np.dtype(n)] = _torch_of_np[n] = t
+    _torch = torch
 
 
 class TensorView(ByPointer):
@@ -115,16 +118,29 @@ class TensorView(ByPointer):
     allocated by PyTorch (:meth:`empty`), so neither side wraps the other's memory. Only for
     tensors on CuPy's current stream (:func:`tensor_views`)."""
 
-    __slots__ = ("tensor", "shape", "strides", "dtype", "ptr", "device_id")
+    __slots__ = ("tensor", "shape", "_strides", "dtype", "ptr", "device_id")
 
-    def __init__(self, t, dtype, device_id: int):
+    def __init__(self, t, dtype, device_id: int, shape=None):
+        """``shape``: the tensor's, where the caller has it as a tuple (its strides are then
+        worked out when first read: a new result's are not, launches take its address)."""
         self.tensor = t
-        self.shape = tuple(t.shape)
         self.dtype = dtype
-        item = dtype.itemsize
-        self.strides = tuple([s * item for s in t.stride()])
         self.ptr = t.data_ptr()
         self.device_id = device_id
+        if shape is None:
+            self.shape = tuple(t.shape)
+            item = dtype.itemsize
+            self._strides = tuple([s * item for s in t.stride()])
+        else:
+            self.shape = shape
+            self._strides = None
+
+    @property
+    def strides(self) -> tuple:  # in bytes, as CuPy's
+        if self._strides is None:
+            item = self.dtype.itemsize
+            self._strides = tuple([s * item for s in self.tensor.stride()])
+        return self._strides
 
     @property
     def data(self):  # CuPy's ``a.data.ptr`` and ``a.data.device_id``
@@ -140,15 +156,20 @@ class TensorView(ByPointer):
 
     def empty(self, shape, dtype) -> TensorView:
         """A new C-contiguous tensor on this tensor's GPU, allocated by PyTorch on its current
-        stream (CuPy's: the stream the kernels run on)."""
-        import torch
-
-        dev = _torch_devices.get(self.device_id)
-        if dev is None:
-            dev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
-        dtype = np.dtype(dtype)
-        return TensorView(torch.empty(shape, dtype=_torch_of_np[dtype], device=dev), dtype,
-                          self.device_id)
+        stream (CuPy's: the stream the kernels run on); ``dtype`` a NumPy dtype or scalar
+        type."""
+        t, torch = self.tensor, _torch
+        tdt = _torch_of_np[dtype]
+        shape = tuple(shape)
+        if shape == self.shape and tdt is t.dtype:  # empty_like: cheaper than torch.empty
+            new = torch.empty_like(t) if t.is_contiguous() else torch.empty_like(
+                t, memory_format=torch.contiguous_format)
+        else:
+            dev = _torch_devices.get(self.device_id)
+            if dev is None:
+                dev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
+            new = torch.empty(shape, dtype=tdt, device=dev)
+        return TensorView(new, _np_of_torch[tdt], self.device_id, shape)
 
     def transpose(self, axes) -> TensorView:
         return TensorView(self.tensor.permute(axes), self.dtype, self.device_id)
