@@ -197,8 +197,12 @@ def tensor_view(x, checked: int = -1) -> TensorView | None:
     """:class:`TensorView` of ``x`` when it is a CUDA PyTorch tensor, not requiring grad, of a
     dtype CuPy has, and PyTorch's current stream on its GPU is CuPy's current stream there
     (compared unless that GPU is ``checked``); else None (the full path then adapts, checks
-    and refuses)."""
+    and refuses). A tensor whose conjugate or negative bit is set (``x.conj()``,
+    ``x.conj().imag``: lazy views whose memory holds the values before the operation) is
+    left to the full path, whose DLPack exchange refuses it, rather than read as stored."""
     if type(x).__module__ != "torch" or not x.is_cuda or x.requires_grad:
+        return None
+    if x.is_conj() or x.is_neg():
         return None
     if not _np_of_torch:
         _dtype_tables()

@@ -130,3 +130,16 @@ def test_tensors_that_cannot_take_a_fast_path_are_refused_before_any_exchange():
         assert _interop.fast_arrays(cpu, (cpu, bad)) is None
         assert _interop.fast_arrays(bad, (bad,)) is None
     assert _interop.torch_view(cpu) is None and _interop.torch_view(grad) is None
+
+
+def test_lazy_conjugate_and_negative_views_are_left_to_the_full_path():
+    """A CUDA tensor whose conjugate or negative bit is set gets no TensorView (its memory
+    holds the values before the lazy operation), decided before its dtype or stream is read."""
+    from cukern import _interop
+
+    for conj, neg in ((True, False), (False, True)):
+        t = _fake_tensor(is_cuda=True, requires_grad=False, is_conj=lambda c=conj: c,
+                         is_neg=lambda n=neg: n)
+        assert _interop.tensor_view(t) is None
+        assert _interop.torch_views((t,)) is None
+        assert _interop.fast_arrays(t, (t,)) is None

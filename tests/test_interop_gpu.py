@@ -376,6 +376,27 @@ def test_fast_path_results_come_from_pytorchs_allocator(name, rng):
     assert torch.cuda.memory_allocated() == before
 
 
+def test_lazy_conjugate_and_negative_views_are_not_read_as_stored():
+    """With a layout's fast path ready, a tensor of that layout whose conjugate or negative
+    bit is set (its memory holds the values before the lazy operation) gives the operation's
+    values, or the full path's refusal; never the stored values."""
+    torch = _torch()
+    x = torch.randn(8, 6, dtype=torch.complex64, device="cuda")
+    for _ in range(2):
+        cukern.permute(x, (1, 0))  # the layout's fast path is ready
+        cukern.softmax(x.imag)
+    for name, lazy, call, want in (
+            ("conj", x.conj(), lambda t: cukern.permute(t, (1, 0)),
+             lambda: x.conj().resolve_conj().t()),
+            ("neg", x.conj().imag, cukern.softmax, lambda: torch.softmax(-x.imag, -1))):
+        assert lazy.is_conj() or lazy.is_neg(), name
+        try:
+            got = call(lazy)
+        except (RuntimeError, TypeError, BufferError):
+            continue  # refused by the full path's DLPack exchange
+        torch.testing.assert_close(got, want(), rtol=1e-6, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 def test_fast_path_takes_tensors_of_every_float_dtype(dtype, rng, monkeypatch):
     """Tensors of each float dtype find the fast-path entry their first call made (their
