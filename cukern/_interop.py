@@ -293,7 +293,8 @@ def _require_cupy(fn: str) -> None:
 def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
     """Accept a CuPy array, or a GPU array exposing ``__dlpack__`` (zero-copy, stream-safe).
     ``out``: the array is to be written (a JAX array is refused: JAX arrays are immutable). A
-    PyTorch tensor that requires grad is refused with a TypeError naming ``arg``."""
+    PyTorch tensor that requires grad is refused with a TypeError naming ``arg``; one with its
+    conjugate or negative bit set is read through a resolved copy, and refused where written."""
     _require_cupy(fn)
     if isinstance(x, cp.ndarray):
         return Adapted(x, "cupy")
@@ -309,13 +310,24 @@ def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
     module = type(x).__module__.split(".")[0]
     kind = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(module, "cupy")
     if kind == "jax" and out:
+        hint = ("leave out= unset and use the returned array" if arg == "out" else
+                f"pass {arg} as a CuPy array or a PyTorch tensor, or None")
         raise TypeError(f"{fn}: {arg} is a JAX array; JAX arrays are immutable, so cukern "
-                        f"cannot write into one: leave out= unset and use the returned array")
+                        f"cannot write into one: {hint}")
     if kind == "torch" and getattr(x, "requires_grad", False):
         raise TypeError(
             f"{fn}: {arg} is a PyTorch tensor that requires grad; cukern.{fn} records no "
             f"autograd history: use cukern.torch (autograd through cukern's backward kernels) "
             f"or pass {arg}.detach()")
+    if kind == "torch" and (x.is_conj() or x.is_neg()):
+        # a lazy conjugate or negation (x.conj(), x.conj().imag): its memory holds the values
+        # before it, and DLPack hands over that memory as it is
+        if out:
+            raise TypeError(
+                f"{fn}: {arg} is a PyTorch tensor with its conjugate or negative bit set (a "
+                f"lazy view of another tensor's memory); cukern would write the memory as "
+                f"stored: pass a tensor without it")
+        x = x.resolve_conj().resolve_neg()  # a copy with the values it stands for
     if kind == "torch" and x.is_cuda:
         view = torch_view(x)
         if view is not None:

@@ -143,3 +143,17 @@ def test_lazy_conjugate_and_negative_views_are_left_to_the_full_path():
         assert _interop.tensor_view(t) is None
         assert _interop.torch_views((t,)) is None
         assert _interop.fast_arrays(t, (t,)) is None
+
+
+def test_lazy_views_are_refused_where_written():
+    """A PyTorch tensor with its conjugate or negative bit set, given where cukern writes
+    (out=, training's running statistics), is refused with a TypeError naming the argument,
+    before any exchange (the fake tensors have none)."""
+    from cukern import _interop
+
+    for conj, neg in ((True, False), (False, True)):
+        t = _fake_tensor(is_cuda=True, requires_grad=False, is_conj=lambda c=conj: c,
+                         is_neg=lambda n=neg: n, __dlpack__=None, __dlpack_device__=None)
+        with pytest.raises(TypeError, match=r"softmax: out is a PyTorch tensor with its "
+                                            r"conjugate or negative bit set"):
+            _interop.adapt("softmax", "out", t, out=True)

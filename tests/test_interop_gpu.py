@@ -376,25 +376,47 @@ def test_fast_path_results_come_from_pytorchs_allocator(name, rng):
     assert torch.cuda.memory_allocated() == before
 
 
-def test_lazy_conjugate_and_negative_views_are_not_read_as_stored():
-    """With a layout's fast path ready, a tensor of that layout whose conjugate or negative
-    bit is set (its memory holds the values before the lazy operation) gives the operation's
-    values, or the full path's refusal; never the stored values."""
+def test_lazy_conjugate_and_negative_views_are_read_as_the_values_they_stand_for():
+    """A tensor whose conjugate or negative bit is set (its memory holds the values before the
+    lazy operation, and DLPack hands that memory over as it is) gives the operation's values,
+    also with the layout's fast path ready; where cukern would write it (out=, training's
+    running statistics) it is refused with a TypeError."""
     torch = _torch()
     x = torch.randn(8, 6, dtype=torch.complex64, device="cuda")
     for _ in range(2):
-        cukern.permute(x, (1, 0))  # the layout's fast path is ready
+        cukern.permute(x, (1, 0))  # the layouts' fast paths are ready
         cukern.softmax(x.imag)
-    for name, lazy, call, want in (
-            ("conj", x.conj(), lambda t: cukern.permute(t, (1, 0)),
-             lambda: x.conj().resolve_conj().t()),
-            ("neg", x.conj().imag, cukern.softmax, lambda: torch.softmax(-x.imag, -1))):
-        assert lazy.is_conj() or lazy.is_neg(), name
-        try:
-            got = call(lazy)
-        except (RuntimeError, TypeError, BufferError):
-            continue  # refused by the full path's DLPack exchange
-        torch.testing.assert_close(got, want(), rtol=1e-6, atol=1e-7, msg=name)
+    conj, neg = x.conj(), x.conj().imag
+    assert conj.is_conj() and neg.is_neg()
+    for _ in range(2):
+        torch.testing.assert_close(cukern.permute(conj, (1, 0)),
+                                   x.conj().resolve_conj().t(), rtol=0, atol=0)
+        torch.testing.assert_close(cukern.softmax(neg), torch.softmax(-x.imag, -1),
+                                   rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match=r"softmax: out is a PyTorch tensor with its conjugate"):
+        cukern.softmax(x.real.contiguous(), out=neg)
+    xb = torch.randn(4, 6, 3, 3, device="cuda")
+    rm = torch.randn(6, dtype=torch.complex64, device="cuda").conj().imag
+    rv = torch.ones(6, device="cuda")
+    with pytest.raises(TypeError, match=r"batch_norm: running_mean is a PyTorch tensor with"):
+        cukern.batch_norm(xb, rm, rv, training=True)
+    want = (xb - rm.resolve_neg()[:, None, None]) / (1 + 1e-5) ** 0.5  # eval reads it
+    torch.testing.assert_close(cukern.batch_norm(xb, rm, rv), want, rtol=1e-5, atol=1e-6)
+
+
+def test_jax_running_statistics_are_refused_in_training():
+    """Training writes the running statistics in place: JAX arrays (immutable) are refused
+    there, and accepted in eval, which only reads them."""
+    jax, gpu = _jax_gpu()
+    x = cp.random.standard_normal((4, 6, 3, 3), dtype=cp.float32)
+    rm = jax.device_put(np.zeros(6, np.float32), gpu)
+    rv = jax.device_put(np.ones(6, np.float32), gpu)
+    with pytest.raises(TypeError, match=r"batch_norm: running_mean is a JAX array; JAX arrays "
+                                        r"are immutable"):
+        cukern.batch_norm(x, rm, rv, training=True)
+    np.testing.assert_allclose(cp.asnumpy(cukern.batch_norm(x, rm, rv)),
+                               cp.asnumpy(x) / np.sqrt(1 + 1e-5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(rm), 0)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])

@@ -84,7 +84,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
         first (``cukern.explain`` says so).
     running_mean, running_var : arrays of shape (C,), or None
         float32 (or x's dtype) for 16-bit x, x's dtype otherwise. Training updates them in
-        place (the same arrays); they may be None in training. Eval needs both.
+        place (the same arrays; JAX arrays, being immutable, are refused there); they may be
+        None in training. Eval needs both.
     weight, bias : arrays of shape (C,), optional
         Same dtypes as the running statistics.
     training : bool
@@ -177,8 +178,8 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
     eps = c.check_eps(fn, eps, dtype)
     nch = xa.shape[axis]
     allowed = _param_dtypes(dtype)
-    rm = _vector(fn, "running_mean", running_mean, xa, nch, allowed)
-    rv = _vector(fn, "running_var", running_var, xa, nch, allowed)
+    rm = _vector(fn, "running_mean", running_mean, xa, nch, allowed, written=training)
+    rv = _vector(fn, "running_var", running_var, xa, nch, allowed, written=training)
     w = _vector(fn, "weight", weight, xa, nch, allowed)
     b = _vector(fn, "bias", bias, xa, nch, allowed)
     check_statistics(fn, training, rm, rv, tuple(xa.shape), axis)

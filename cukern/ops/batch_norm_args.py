@@ -68,11 +68,13 @@ def _momentum(fn: str, momentum) -> float:
     return m
 
 
-def _vector(fn: str, name: str, v, xa, nch: int, allowed: tuple):
-    """A per-channel array: shape (C,), one of ``allowed`` dtypes, x's device (None passes)."""
+def _vector(fn: str, name: str, v, xa, nch: int, allowed: tuple, written: bool = False):
+    """A per-channel array: shape (C,), one of ``allowed`` dtypes, x's device (None passes).
+    ``written``: updated in place (training's running statistics), so refused where it cannot
+    be written (a JAX array, a lazy PyTorch view: ``runner.adapt``'s ``out``)."""
     if v is None:
         return None
-    a = c.adapt(fn, name, v).array
+    a = c.adapt(fn, name, v, out=written).array
     if tuple(a.shape) != (nch,):
         raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected ({nch},) (one "
                          f"value per channel of x, whose shape is {tuple(xa.shape)})")
