@@ -207,7 +207,7 @@ def tensor_view(x, checked: int = -1) -> TensorView | None:
     if not _np_of_torch:
         _dtype_tables()
     dtype = _np_of_torch.get(x.dtype)
-    if dtype is None:
+    if dtype is None or x.layout is not _torch.strided:  # sparse: the full path refuses it
         return None
     dev = x.get_device()
     if dev != checked and _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
@@ -319,6 +319,10 @@ def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
             f"{fn}: {arg} is a PyTorch tensor that requires grad; cukern.{fn} records no "
             f"autograd history: use cukern.torch (autograd through cukern's backward kernels) "
             f"or pass {arg}.detach()")
+    layout = str(getattr(x, "layout", "torch.strided")) if kind == "torch" else ""
+    if layout and layout != "torch.strided":
+        raise TypeError(f"{fn}: {arg} is a PyTorch tensor of layout {layout}; cukern takes "
+                        f"strided (dense) tensors: pass {arg}.to_dense()")
     if kind == "torch" and (x.is_conj() or x.is_neg()):
         # a lazy conjugate or negation (x.conj(), x.conj().imag): its memory holds the values
         # before it, and DLPack hands over that memory as it is

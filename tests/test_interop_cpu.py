@@ -157,3 +157,15 @@ def test_lazy_views_are_refused_where_written():
         with pytest.raises(TypeError, match=r"softmax: out is a PyTorch tensor with its "
                                             r"conjugate or negative bit set"):
             _interop.adapt("softmax", "out", t, out=True)
+
+
+def test_tensors_that_are_not_strided_are_refused():
+    """A sparse (or any non-strided) PyTorch tensor gets a TypeError naming the argument and
+    its layout, before any exchange (the fake tensor has none)."""
+    from cukern import _interop
+
+    t = _fake_tensor(is_cuda=True, requires_grad=False, layout="torch.sparse_coo",
+                     __dlpack__=None, __dlpack_device__=None)
+    with pytest.raises(TypeError, match=r"layer_norm: weight is a PyTorch tensor of layout "
+                                        r"torch.sparse_coo; cukern takes strided"):
+        _interop.adapt("layer_norm", "weight", t)

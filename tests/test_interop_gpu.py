@@ -404,6 +404,19 @@ def test_lazy_conjugate_and_negative_views_are_read_as_the_values_they_stand_for
     torch.testing.assert_close(cukern.batch_norm(xb, rm, rv), want, rtol=1e-5, atol=1e-6)
 
 
+def test_sparse_tensors_are_refused():
+    """A sparse CUDA tensor gets a TypeError naming the argument, also with the layout's fast
+    path ready (it has no strides to read)."""
+    torch = _torch()
+    x = torch.randn(8, 6, device="cuda")
+    for _ in range(2):
+        cukern.softmax(x)
+    sparse = x.to_sparse()
+    with pytest.raises(TypeError, match=r"softmax: x is a PyTorch tensor of layout "
+                                        r"torch.sparse_coo"):
+        cukern.softmax(sparse)
+
+
 def test_jax_running_statistics_are_refused_in_training():
     """Training writes the running statistics in place: JAX arrays (immutable) are refused
     there, and accepted in eval, which only reads them."""
