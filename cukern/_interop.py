@@ -199,7 +199,8 @@ def tensor_view(x, checked: int = -1) -> TensorView | None:
     (compared unless that GPU is ``checked``); else None (the full path then adapts, checks
     and refuses). A tensor whose conjugate or negative bit is set (``x.conj()``,
     ``x.conj().imag``: lazy views whose memory holds the values before the operation) is
-    left to the full path, whose DLPack exchange refuses it, rather than read as stored."""
+    left to the full path, which reads it through a resolved copy (:func:`adapt`); a sparse
+    one too, which the full path refuses."""
     if type(x).__module__ != "torch" or not x.is_cuda or x.requires_grad:
         return None
     if x.is_conj() or x.is_neg():
