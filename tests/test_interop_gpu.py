@@ -461,6 +461,40 @@ def test_fast_path_takes_tensors_of_every_float_dtype(dtype, rng, monkeypatch):
                     w.view(cp.uint8)).tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint8", "int16", "int32", "int64",
+                                   "complex128"])
+def test_permute_fast_path_takes_tensors_of_every_element_kind(dtype, rng, monkeypatch):
+    """Integer, bool and complex tensors find permute's fast-path entry their first call made,
+    come back as new contiguous tensors of their dtype (from PyTorch's allocator) and hold
+    numpy.transpose's values, bit for bit; the CuPy call of the same data takes the entry."""
+    from cukern import runner
+    from cukern.ops import permute as pm
+
+    torch = _torch()
+    calls = _count_full_path(monkeypatch, pm, "_run")
+    monkeypatch.setattr(pm, "_fresh", runner.BoundedDict())
+    axes = (0, 2, 3, 1)
+    for rep in range(2):
+        if dtype == "bool":
+            host = rng.integers(0, 2, (2, 5, 3, 7)).astype(bool)
+        elif dtype.startswith("complex"):
+            host = (rng.standard_normal((2, 5, 3, 7))
+                    + 1j * rng.standard_normal((2, 5, 3, 7))).astype(dtype)
+        else:
+            info = np.iinfo(dtype)
+            host = rng.integers(info.min, info.max, (2, 5, 3, 7), endpoint=True, dtype=dtype)
+        t = torch.from_numpy(host.copy()).cuda()
+        got = cukern.permute(t, axes)
+        assert len(calls) == 1, f"{dtype} call {rep + 1}: the full path ran {len(calls)} times"
+        assert isinstance(got, torch.Tensor) and got.dtype == t.dtype and got.is_contiguous()
+        assert got.device == t.device and tuple(got.shape) == (2, 3, 7, 5)
+        want = np.ascontiguousarray(np.transpose(host, axes))
+        assert got.cpu().numpy().tobytes() == want.tobytes()
+        y = cukern.permute(cp.asarray(host), axes)  # the same entry, a CuPy result
+        assert len(calls) == 1 and isinstance(y, cp.ndarray)
+        assert cp.asnumpy(y).tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_tensors_on_a_side_stream_are_exchanged_in_order(name, rng, monkeypatch):
     """With the layout's fast path ready, tensors made on a side stream take the full path
