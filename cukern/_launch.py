@@ -191,13 +191,15 @@ class RawLaunch:
         nd = _ndarray
         values = [a.data.ptr if type(a) is nd else a if type(a) is int else _slot(a)
                   for a in args]
-        g0, g1, g2, b0, b1, b2, smem = self.config
-        with self._lock:  # the slots are shared: one launch writes and reads them at a time
+        lock = self._lock  # the slots are shared: one launch writes and reads them at a time
+        lock.acquire()
+        try:
             if len(values) != self._nargs:
                 self._build(len(values))
             self._slots[:self._nargs] = values
             if self._ex is not None:
                 return self._launch_clusters()
+            g0, g1, g2, b0, b1, b2, smem = self.config
             try:
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)
@@ -209,6 +211,8 @@ class RawLaunch:
                 _cp.cuda.runtime.free(0)
                 _launch_kernel(self.function, g0, g1, g2, b0, b1, b2, smem,
                                _current_stream().ptr, self._params, 0)
+        finally:
+            lock.release()
 
     def _launch_clusters(self) -> None:
         if self._ex_fn is None:

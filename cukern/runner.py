@@ -36,6 +36,7 @@ from ._interop import (  # noqa: F401
     empty,
     fast_arrays,
     handed_back,
+    new_array,
     on_device,
     results,
     tensor_view,

@@ -154,14 +154,14 @@ def fresh_key(op: str, args, extra: tuple):
             key.append(())
         else:
             return None
+    if extra:
+        try:
+            hash(extra)  # the arrays' part always hashes
+        except TypeError:  # an unhashable argument (an array for eps, say)
+            return None
     key.append(bits & 15)
     key += extra
-    key = tuple(key)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable argument (a list for normalized_shape, say)
-        return None
-    return key
+    return tuple(key)
 
 
 def uncopied(a, given) -> bool:

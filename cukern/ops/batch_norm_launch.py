@@ -94,14 +94,14 @@ class _Forward:
             return
         coef = None
         if self.coef:
-            coef = c.cp.empty((self.nch, 4), cdt)
+            coef = c.new_array((self.nch, 4), cdt)
             finish = (self.count, self.training, _arg(rm), _arg(rv), _arg(w), _arg(b),
                       _scalar(cdt, momentum), _scalar(cdt, eps), _arg(mean), _arg(invstd),
                       _NULL, coef)
             part = None
             if self.stats is not None:
                 if self.part_shape is not None:
-                    part = c.cp.empty(self.part_shape, cdt)
+                    part = c.new_array(self.part_shape, cdt)
                 self.stats(x, _arg(part), *self.stats_tail, *finish)
             if self.finalize is not None:
                 self.finalize(_arg(part), *self.fin_head, *finish)
@@ -128,7 +128,7 @@ def _stats(step, xw, plan, view, finish):
     a_, ch, inner = view
     part = None
     if plan.splits > 1:
-        part = c.cp.empty((ch, plan.splits, 3), _stat_dtype(plan.dtype))
+        part = c.new_array((ch, plan.splits, 3), _stat_dtype(plan.dtype))
     if plan.layout == bnplan.PLANES:
         step(xw, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
              np.int32(plan.splits), *finish)
@@ -203,8 +203,8 @@ class _Backward:
 
     def __call__(self, dy, x, m, mu, ist, w, dx, da, dwt, dbs) -> None:
         sdt = self.sdt
-        part = c.cp.empty(self.part_shape, sdt) if self.part_shape is not None else None
-        coef = c.cp.empty((self.nch, 4), sdt)
+        part = c.new_array(self.part_shape, sdt) if self.part_shape is not None else None
+        coef = c.new_array((self.nch, 4), sdt)
         c.keep(part, coef)  # a captured graph writes them on every replay
         finish = (self.count, self.training, ist, _arg(w), dwt, dbs, coef)
         self.reduce(dy, x, _arg(m), mu, _arg(part), *self.reduce_tail, *finish)

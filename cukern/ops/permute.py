@@ -116,7 +116,7 @@ def _fast(x, axes):
     if hit is None or hit[0].device_id != _get_device() or (
             axes is not None and not all(type(a) is int for a in axes)):
         return None
-    y = c.cp.empty(hit[1], x.dtype) if type(x) is _ndarray else x.empty(hit[1], x.dtype)
+    y = c.new_array(hit[1], x.dtype) if type(x) is _ndarray else x.empty(hit[1], x.dtype)
     hit[0](x, y)
     return y
 

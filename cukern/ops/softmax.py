@@ -17,7 +17,7 @@ _launches: dict[tuple, c.Launch] = c.BoundedDict()
 _fresh: dict[tuple, c.Launch] = c.BoundedDict()
 _ndarray = c.cp.ndarray if c.cp is not None else None
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_tensor_view, _torch_views = c.tensor_view, c.torch_views
+_tensor_view, _torch_views, _new = c.tensor_view, c.torch_views, c.new_array
 
 
 def softmax(x, axis: int = -1, *, out=None):
@@ -51,7 +51,7 @@ def softmax(x, axis: int = -1, *, out=None):
     may have at most ``cukern.plan.MAX_COLS`` (2^31 - 4096) elements (ValueError past it).
     """
     if out is None and type(axis) is int:
-        y = _fast("softmax", x, axis) if type(x) is _ndarray else _fast_torch("softmax", x, axis)
+        y = _fast("softmax", x, axis)
         if y is not None:
             return y
     return _run("softmax", ("x",), (x,), axis, out)
@@ -63,8 +63,7 @@ def log_softmax(x, axis: int = -1, *, out=None):
     Same arguments, dtypes, return kind and notes as :func:`softmax`.
     """
     if out is None and type(axis) is int:
-        y = (_fast("log_softmax", x, axis) if type(x) is _ndarray
-             else _fast_torch("log_softmax", x, axis))
+        y = _fast("log_softmax", x, axis)
         if y is not None:
             return y
     return _run("log_softmax", ("x",), (x,), axis, out)
@@ -99,25 +98,22 @@ def log_softmax_backward(dy, y, axis: int = -1, *, out=None):
 
 
 def _fast(op: str, x, axis: int):
-    """The result for a CuPy input whose layout was planned before (None if it was not)."""
-    launch = _fresh.get((op, axis, x.shape, x.strides, x.dtype, x.data.ptr & 15,
-                         x.data.device_id))
+    """The result for a CuPy input, or a PyTorch tensor on CuPy's current stream (its result a
+    new tensor), whose layout was planned before; None otherwise."""
+    if type(x) is _ndarray:
+        v = x
+    else:
+        v = _tensor_view(x)
+        if v is None:
+            return None
+    launch = _fresh.get((op, axis, v.shape, v.strides, v.dtype, v.data.ptr & 15,
+                         v.data.device_id))
     if launch is None or launch.device_id != _get_device():
         return None
-    y = c.cp.empty(x.shape, x.dtype)
-    launch(x, y)
-    return y
-
-
-def _fast_torch(op: str, x, axis: int):
-    """:func:`_fast` for a PyTorch tensor on CuPy's current stream, the result a new tensor
-    (None otherwise)."""
-    v = _tensor_view(x)
-    if v is None:
-        return None
-    launch = _fresh.get((op, axis, v.shape, v.strides, v.dtype, v.ptr & 15, v.device_id))
-    if launch is None or launch.device_id != _get_device():
-        return None
+    if v is x:
+        y = _new(x.shape, x.dtype)
+        launch(x, y)
+        return y
     y = v.empty(v.shape, v.dtype)
     launch(v, y)
     return y.tensor
@@ -145,7 +141,7 @@ def _fast_backward(op: str, y, dy, axis: int):
     launch = _fresh.get(_key2(op, axis, y, dy))
     if launch is None or launch.device_id != _get_device():
         return None
-    dx = y.empty(y.shape, y.dtype) if tensors else c.cp.empty(y.shape, y.dtype)
+    dx = y.empty(y.shape, y.dtype) if tensors else _new(y.shape, y.dtype)
     launch(y, dy, dx)
     return dx.tensor if tensors else dx
 
