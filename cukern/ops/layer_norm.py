@@ -34,7 +34,7 @@ _launches: dict[tuple, _Launches] = c.BoundedDict()
 _fresh: dict[tuple, tuple] = c.BoundedDict()
 _last: dict[str, _plan.Plan] = {}  # op -> the plan of its latest call (last_plan)
 _get_device = c.cp.cuda.runtime.getDevice if c.cp is not None else None
-_fast_arrays, _results = c.fast_arrays, c.results
+_fast_arrays, _results, _new = c.fast_arrays, c.results, c.new_array
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
@@ -197,7 +197,7 @@ def _forward(op: str, x, normalized_shape, weight, bias, eps, residual, return_s
             xv = args[0]
             if hit is not None and xv.data.device_id == _get_device():
                 launch, lead, sdt, eps_c = hit
-                new = c.cp.empty if xv is x else xv.empty  # the caller's kind
+                new = _new if xv is x else xv.empty  # the caller's kind
                 y = new(xv.shape, xv.dtype)
                 layer = op == "layer_norm"
                 mean = new(lead, sdt) if return_stats and layer else None
@@ -303,7 +303,7 @@ def _backward(op: str, dy, x, mean, rstd, weight, bias):
             xv = args[1]
             if hit is not None and xv.data.device_id == _get_device():
                 launch, ns = hit[0], hit[1]
-                new = c.cp.empty if xv is x else xv.empty  # the caller's kind
+                new = _new if xv is x else xv.empty  # the caller's kind
                 dx = new(xv.shape, xv.dtype)
                 layer = op == "layer_norm_backward"
                 dw = db = None
@@ -321,17 +321,25 @@ def _launch_backward(launch, layer, dyv, xv, mean, rstd, w, dx, dw, db) -> None:
     _last["layer_norm_backward" if layer else "rms_norm_backward"] = launch.main.plan
     grad = launch.grad
     partial = None
-    if grad is not None:
-        partial = c.cp.empty((grad.nacc, grad.prows, launch.main.plan.cols),
-                             _stat_dtype(launch.main.plan.dtype))
-        c.keep(partial)  # a captured graph writes it on every replay
     p0 = p1 = _NULL  # partial[0], partial[1] as pointers (no views made)
-    if partial is not None:
-        p0 = partial.data.ptr
-        p1 = p0 + partial.strides[0] if layer else _NULL
+    direct = False
+    if grad is not None:
+        sdt = _stat_dtype(launch.main.plan.dtype)
+        if grad.prows == 1 and dw.dtype == sdt:
+            # one partial row in the sums' own dtype is dweight (and dbias): written there,
+            # with no reduction launch (small inputs: one block or cluster)
+            direct = True
+            p0, p1 = dw, _arg(db)
+        else:
+            partial = _new((grad.nacc, grad.prows, launch.main.plan.cols), sdt)
+            c.keep(partial)  # a captured graph writes it on every replay
+            p0 = partial.data.ptr
+            p1 = p0 + partial.strides[0] if layer else _NULL
     launch.main(dyv, xv, _arg(mean), rstd, _arg(w), dx, p0, p1)
     if launch.partial is not None:  # the main kernel keeps no column sums: from x and dy
         launch.partial(dyv, xv, _arg(mean), rstd, p0, p1)
+    if direct:
+        return
     if grad is not None and dw.dtype != launch.grad_dtype:  # float sums: backward_param_sums
         dw[...] = partial[0].sum(axis=0)
         if db is not None:
