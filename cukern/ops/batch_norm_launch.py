@@ -65,14 +65,7 @@ class _Forward:
         self.part_shape = (ch, plan.splits, 3) if plan.splits > 1 else None
         cs = c._c_scalars
         self.count, self.training = cs((cdt(a_ * inner), np.int32(plan.training)))
-        if self.stats is None:
-            self.stats_tail = ()
-        elif plan.layout == bnplan.PLANES:
-            self.stats_tail = cs((np.int64(a_), np.int32(ch), *_plane_args(plan),
-                                  np.int32(plan.splits)))
-        else:
-            self.stats_tail = cs((np.int64(a_), np.int32(ch // self.stats.pack),
-                                  np.int32(plan.splits)))
+        self.stats_tail = () if self.stats is None else _reduction_tail(plan, self.stats)
         self.fin_head = cs((np.int32(plan.splits), np.int32(ch)))
         self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
         self.one_read = steps[0] if plan.one_read else None
@@ -125,17 +118,22 @@ class _Forward:
 def _stats(step, xw, plan, view, finish):
     """Launches the statistics pass: partial states (returned), or with one split the
     finished channels (``finish``: the bn::Finish arguments; returns None)."""
-    a_, ch, inner = view
     part = None
     if plan.splits > 1:
-        part = c.new_array((ch, plan.splits, 3), _stat_dtype(plan.dtype))
-    if plan.layout == bnplan.PLANES:
-        step(xw, _arg(part), np.int64(a_), np.int32(ch), *_plane_args(plan),
-             np.int32(plan.splits), *finish)
-    else:
-        step(xw, _arg(part), np.int64(a_), np.int32(ch // step.pack), np.int32(plan.splits),
-             *finish)
+        part = c.new_array((view.channels, plan.splits, 3), _stat_dtype(plan.dtype))
+    step(xw, _arg(part), *_reduction_tail(plan, step), *finish)
     return part
+
+
+def _reduction_tail(plan, step) -> tuple:
+    """A channel reduction's (statistics, gradient sums) scalar arguments after its pointers,
+    converted: (A, C, B, W, w_m, w_s, splits) over planes, (A, C / PACK, splits) over
+    columns."""
+    a_, ch, _ = plan.view
+    if plan.layout == bnplan.PLANES:
+        return c._c_scalars((np.int64(a_), np.int32(ch), *_plane_args(plan),
+                             np.int32(plan.splits)))
+    return c._c_scalars((np.int64(a_), np.int32(ch // step.pack), np.int32(plan.splits)))
 
 
 def _plane_args(plan):
@@ -192,12 +190,7 @@ class _Backward:
         self.merge = steps[1] if steps[1].kind == "grad_finalize" else None
         cs = c._c_scalars
         self.count, self.training = cs((sdt(a_ * inner), np.int32(training)))
-        if plan.layout == bnplan.PLANES:
-            self.reduce_tail = cs((np.int64(a_), np.int32(ch), *_plane_args(plan),
-                                   np.int32(plan.splits)))
-        else:
-            self.reduce_tail = cs((np.int64(a_), np.int32(ch // self.reduce.pack),
-                                   np.int32(plan.splits)))
+        self.reduce_tail = _reduction_tail(plan, self.reduce)
         self.merge_head = cs((np.int32(plan.splits), np.int32(ch)))
         self.apply_tail = cs(_flat_args(plan))
 
