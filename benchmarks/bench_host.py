@@ -9,7 +9,7 @@ Host time: the median over 400 batches of the time to enqueue 16 calls onto an i
 are its public functions (``torch.softmax``, ``F.layer_norm``, ...) or the aten backward its
 autograd calls; JAX's are jitted.
 
-    python benchmarks/bench_host.py [--out DIR]
+    python benchmarks/bench_host.py [--out DIR] [--no-jax]
 
 Writes host_<gpu>.json and .png, appends a row per (op, input kind) to history.csv (times in
 microseconds in the note), prints the table and the targets met or missed. The JSON's
@@ -143,7 +143,7 @@ def jax_calls() -> dict:
             "permute": lambda j: f["permute"](j["x"])}
 
 
-def measure() -> list[dict]:
+def measure(jax: bool = True) -> list[dict]:
     a = arrays()
     kinds = {"cupy": a}
     peers = {}
@@ -157,12 +157,14 @@ def measure() -> list[dict]:
     except ImportError:
         print("PyTorch is not installed: no PyTorch rows", flush=True)
     try:
+        if not jax:
+            raise ImportError
         import jax.numpy as jnp
 
         kinds["jax"] = {k: jnp.from_dlpack(v) for k, v in a.items()}
         peers["jax"] = (jax_calls(), kinds["jax"])
     except ImportError:
-        print("JAX is not installed: no JAX rows", flush=True)
+        print("JAX is not installed (or --no-jax): no JAX rows", flush=True)
     prepared = prepared_calls(a)
     cp.cuda.Device().synchronize()
     rows = []
@@ -256,12 +258,15 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--no-jax", action="store_true",
+                    help="CuPy and PyTorch rows only, no exchange_us (A/B rounds of the host "
+                         "path: JAX's calls take most of a run)")
     args = ap.parse_args()
     _bench.warm_up()
     device = cukern.DeviceSpec.from_device().name
     run = _results.Run(args.out, "host", device)
-    rows = measure()
-    exchange = exchange_us()
+    rows = measure(jax=not args.no_jax)
+    exchange = {} if args.no_jax else exchange_us()
     run.save({"shape": [ROWS, COLS], "batch_norm_shape": list(BN_SHAPE), "results": rows,
               "exchange_us": exchange})
     plot(rows, run.png_path, f"cukern host time a call on {device}, tiny float32 arrays")

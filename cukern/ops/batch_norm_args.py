@@ -138,7 +138,7 @@ def _empty_like(a):
     """An uninitialised array with ``a``'s shape, dtype and (dense) memory layout, of ``a``'s
     kind (a CuPy array, or a PyTorch tensor's :class:`~cukern.runner.TensorView`)."""
     if type(a) is _ndarray and a.flags.c_contiguous:
-        return c.cp.empty(a.shape, a.dtype)
+        return c.new_array(a.shape, a.dtype)
     nd = len(a.shape)
     order = sorted(range(nd), key=lambda i: (-abs(a.strides[i]), i))
     if order == list(range(nd)) or _c_contiguous(a.shape, a.strides, a.dtype.itemsize):
