@@ -9,10 +9,13 @@ Host time: the median over 400 batches of the time to enqueue 16 calls onto an i
 are its public functions (``torch.softmax``, ``F.layer_norm``, ...) or the aten backward its
 autograd calls; JAX's are jitted.
 
-    python benchmarks/bench_host.py [--out DIR] [--no-jax]
+    python benchmarks/bench_host.py [--out DIR] [--no-jax] [--base DIR]
 
-Writes host_<gpu>.json and .png, appends a row per (op, input kind) to history.csv (times in
-microseconds in the note), prints the table and the targets met or missed. The JSON's
+``--base DIR`` times this tree against the checkout at DIR instead (its ``cukern`` imported
+beside this one, every op's CuPy and PyTorch call alternating between the trees, 5 rounds):
+history rows only. Otherwise it writes host_<gpu>.json and .png, appends a row per (op, input
+kind) to history.csv (times in microseconds in the note), prints the table and the targets met
+or missed. The JSON's
 ``exchange_us`` has the bare DLPack exchanges (PyTorch and JAX to CuPy and back) and a
 trivial jitted JAX call: the floor of a JAX array's trip through cukern.
 """
@@ -48,6 +51,7 @@ def arrays() -> dict:
          "dyb": rng.standard_normal(BN_SHAPE, dtype=cp.float32),
          "rm": cp.zeros(BN_SHAPE[1], cp.float32), "rv": cp.ones(BN_SHAPE[1], cp.float32),
          "wb": cp.ones(BN_SHAPE[1], cp.float32), "bb": cp.zeros(BN_SHAPE[1], cp.float32)}
+    s["rm_train"], s["rv_train"] = s["rm"], s["rv"]  # training updates them in place
     s["y"] = cukern.softmax(x)
     s["ly"] = cukern.log_softmax(x)
     _, s["mean"], s["rstd"] = cukern.layer_norm(x, COLS, s["w"], s["b"], return_stats=True)
@@ -57,8 +61,9 @@ def arrays() -> dict:
     return s
 
 
-def cukern_calls() -> dict:
-    """op -> call of cukern on a dict of arrays (of any one kind)."""
+def cukern_calls(cukern=cukern) -> dict:
+    """op -> call of ``cukern`` (this tree's, or a base tree's: :func:`import_tree`) on a dict
+    of arrays (of any one kind)."""
     return {
         "softmax": lambda a: cukern.softmax(a["x"]),
         "log_softmax": lambda a: cukern.log_softmax(a["x"]),
@@ -70,14 +75,61 @@ def cukern_calls() -> dict:
             a["dy"], a["x"], a["mean"], a["rstd"], a["w"]),
         "rms_norm_backward": lambda a: cukern.rms_norm_backward(a["dy"], a["x"], a["rrstd"],
                                                                 a["w"]),
-        "batch_norm": lambda a: cukern.batch_norm(a["xb"], a["rm"], a["rv"], a["wb"], a["bb"],
-                                                  training=True),
+        "batch_norm": lambda a: cukern.batch_norm(a["xb"], a["rm_train"], a["rv_train"],
+                                                  a["wb"], a["bb"], training=True),
         "batch_norm_eval": lambda a: cukern.batch_norm(a["xb"], a["rm"], a["rv"], a["wb"],
                                                        a["bb"]),
         "batch_norm_backward": lambda a: cukern.batch_norm_backward(
             a["dyb"], a["xb"], a["bmean"], a["binvstd"], a["wb"]),
         "permute": lambda a: cukern.permute(a["x"], (1, 0)),
     }
+
+
+def import_tree(path: str, name: str = "cukern_base"):
+    """The ``cukern`` package of another checkout at ``path``, imported as ``name`` beside this
+    tree's (its ops use relative imports; both share CuPy, its pools and kernel cache)."""
+    import importlib.util
+
+    pkg = os.path.join(path, "cukern")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(pkg, "__init__.py"),
+                                                  submodule_search_locations=[pkg])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure_ab(base_path: str, rounds: int = 5) -> list[dict]:
+    """Host time of every op with CuPy and PyTorch inputs in this tree and the tree at
+    ``base_path``, in one process: each round times the base's call, then this tree's
+    (``enqueue_us`` over 100 batches each), so both see the same machine state (lent machines
+    drift by up to 1.6x between runs); medians over the rounds."""
+    import statistics
+
+    base = import_tree(base_path)
+    a = arrays()
+    kinds = {"cupy": a}
+    try:
+        import torch
+
+        kinds["torch"] = {k: torch.from_dlpack(v) for k, v in a.items()}
+    except ImportError:
+        pass
+    trees = {"base": cukern_calls(base), "new": cukern_calls(cukern)}
+    rows = []
+    for op in trees["new"]:
+        row = {"op": op, "dtype": "float32"}
+        for kind, args in kinds.items():
+            samples = {t: [] for t in trees}
+            for _ in range(rounds):
+                for t, calls in trees.items():
+                    samples[t].append(_bench.enqueue_us(lambda: calls[op](args), batches=100))
+            for t in trees:
+                row[f"{t}_{kind}_us"] = statistics.median(samples[t])
+        rows.append(row)
+        print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{v}"
+                       for k, v in row.items()), flush=True)
+    return rows
 
 
 def prepared_calls(a: dict) -> dict:
@@ -162,6 +214,8 @@ def measure(jax: bool = True) -> list[dict]:
         import jax.numpy as jnp
 
         kinds["jax"] = {k: jnp.from_dlpack(v) for k, v in a.items()}
+        # JAX arrays are immutable: training has no running statistics to update (refused)
+        kinds["jax"]["rm_train"] = kinds["jax"]["rv_train"] = None
         peers["jax"] = (jax_calls(), kinds["jax"])
     except ImportError:
         print("JAX is not installed (or --no-jax): no JAX rows", flush=True)
@@ -258,6 +312,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--base", metavar="DIR",
+                    help="A/B only: this tree against the checkout at DIR, interleaved in one "
+                         "process; history rows only (variant 'host A/B against NAME')")
+    ap.add_argument("--base-name", help="the base tree's name in history (its commit)")
     ap.add_argument("--no-jax", action="store_true",
                     help="CuPy and PyTorch rows only, no exchange_us (A/B rounds of the host "
                          "path: JAX's calls take most of a run)")
@@ -265,6 +323,14 @@ def main() -> None:
     _bench.warm_up()
     device = cukern.DeviceSpec.from_device().name
     run = _results.Run(args.out, "host", device)
+    if args.base:
+        ab = measure_ab(args.base)
+        name = args.base_name or os.path.basename(os.path.abspath(args.base))
+        run.append([dict(op=r["op"], dtype=r["dtype"], rows=ROWS, cols=COLS,
+                         variant=f"host A/B against {name}",
+                         note="; ".join(f"{k[:-3]} {v:.2f} us" for k, v in r.items()
+                                        if k.endswith("_us"))) for r in ab])
+        return
     rows = measure(jax=not args.no_jax)
     exchange = {} if args.no_jax else exchange_us()
     run.save({"shape": [ROWS, COLS], "batch_norm_shape": list(BN_SHAPE), "results": rows,
