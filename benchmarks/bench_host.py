@@ -2,8 +2,10 @@
 beside PyTorch's and JAX's own op on the same arrays, in one run (issue 26 item 1: PyTorch or
 JAX in, the same kind out, <= 15 us; issue 29: CuPy inputs at or below PyTorch's own op).
 
-Host time: the median over 400 batches of the time to enqueue 16 calls onto an idle GPU, a call
-(``_bench.enqueue_us``): what the caller's thread spends, apart from the GPU's time. Arrays:
+Host time: the time to enqueue 16 calls onto an idle GPU, a call (``_bench.enqueue_us``): what
+the caller's thread spends, apart from the GPU's time; the median over 5 rounds, each the
+median of 80 batches, every column of an op's row (cukern with each input kind, the prepared
+calls, PyTorch's and JAX's ops) timed in each round, so all see the same machine state. Arrays:
 (4, 8) float32 for the row-wise ops and permute, (2, 8, 4, 4) for batch norm; results fresh
 (no ``out=``), and ``cukern.prepare``'s call (fresh result, and with ``out=``). PyTorch's ops
 are its public functions (``torch.softmax``, ``F.layer_norm``, ...) or the aten backward its
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy and torch
@@ -37,6 +40,7 @@ import cukern  # noqa: E402
 from cukern import _bench  # noqa: E402
 
 TARGET_INTEROP_US = 15.0  # issue 26 item 1
+ROUNDS = 5  # interleaved rounds of every column of a row
 ROWS, COLS = 4, 8
 BN_SHAPE = (2, 8, 4, 4)
 
@@ -104,8 +108,6 @@ def measure_ab(base_path: str, rounds: int = 5) -> list[dict]:
     ``base_path``, in one process: each round times the base's call, then this tree's
     (``enqueue_us`` over 100 batches each), so both see the same machine state (lent machines
     drift by up to 1.6x between runs); medians over the rounds."""
-    import statistics
-
     base = import_tree(base_path)
     a = arrays()
     kinds = {"cupy": a}
@@ -223,17 +225,25 @@ def measure(jax: bool = True) -> list[dict]:
     cp.cuda.Device().synchronize()
     rows = []
     for op, call in cukern_calls().items():
-        row = {"op": op, "dtype": "float32"}
-        for kind, args in kinds.items():
-            row[f"cukern_{kind}_us"] = _bench.enqueue_us(lambda: call(args))
+        # every column of the row, timed in ROUNDS interleaved rounds (medians): a lent
+        # machine's host speed drifts within seconds, so a column timed apart from the others
+        # is not comparable with them
+        timed = {f"cukern_{kind}_us": (lambda c=call, a=args: c(a)) for kind, args in
+                 kinds.items()}
         if op in prepared:
             p, pargs = prepared[op]
             out = p(*pargs)
-            row["prepared_us"] = _bench.enqueue_us(lambda: p(*pargs))
-            row["prepared_out_us"] = _bench.enqueue_us(lambda: p(*pargs, out=out))
+            timed["prepared_us"] = lambda p=p, a=pargs: p(*a)
+            timed["prepared_out_us"] = lambda p=p, a=pargs, o=out: p(*a, out=o)
         for peer, (calls, args) in peers.items():
             if op in calls:
-                row[f"{peer}_us"] = _bench.enqueue_us(lambda: calls[op](args))
+                timed[f"{peer}_us"] = lambda c=calls[op], a=args: c(a)
+        samples = {k: [] for k in timed}
+        for _ in range(ROUNDS):
+            for k, fn in timed.items():
+                samples[k].append(_bench.enqueue_us(fn, batches=400 // ROUNDS))
+        row = {"op": op, "dtype": "float32"}
+        row.update({k: statistics.median(v) for k, v in samples.items()})
         rows.append(row)
         print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{v}"
                        for k, v in row.items()), flush=True)
