@@ -21,6 +21,7 @@ from .test_layer_norm_gpu import (
     host,
     make,
     np_dtype,
+    poison,
     rel_err,
 )
 
@@ -45,6 +46,61 @@ def _args(op, x, dtype, rng, params=True):
 def _tol(dtype, cols):
     """check_forward's bound: TOL, growing like sqrt(n) past 2^18 values a row."""
     return TOL[dtype] * max(1.0, (cols / 2**18) ** 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# A backward whose main kernel writes one partial row of column sums.
+
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("op", ["layer_norm_backward", "rms_norm_backward"])
+@pytest.mark.parametrize("dtype,wdtype", [("float32", "float32"), ("float64", "float64"),
+                                          ("float16", "float32"), ("bfloat16", "bfloat16")])
+def test_one_partial_row_is_dweight_itself(op, dtype, wdtype, rows, rng, monkeypatch):
+    """Where the column sums come to one partial row (one row, or one block of the warp
+    kernel), dweight (and dbias) in the sums' dtype (float32, float64 for float64 x) are that
+    row, written by the main kernel (or the separate column-sum kernel) with no reduction
+    launch; 16-bit parameters, and several partial rows, still go through the reduction. Full
+    path and fast path, fresh data and NaN-poisoned outputs each call, against float64 NumPy."""
+    layer = op == "layer_norm_backward"
+    reduces = []
+    real = runner.AuxLaunch.__call__
+    monkeypatch.setattr(runner.AuxLaunch, "__call__",
+                        lambda self, *a: reduces.append(self) or real(self, *a))
+    monkeypatch.setattr(ln_mod, "_fresh", runner.BoundedDict())
+    full = []
+    checked = ln_mod._backward_checked
+    monkeypatch.setattr(ln_mod, "_backward_checked",
+                        lambda *a, **k: full.append(1) or checked(*a, **k))
+    sums_dtype = np_dtype(wdtype) == np.dtype(np.float64 if dtype == "float64" else np.float32)
+    cols = 40
+    for call in ("full", "fast"):
+        x, dy = make((rows, cols), dtype, rng), make((rows, cols), dtype, rng, 1.0, 0.1)
+        w = make(cols, wdtype, rng, 1.0, 1.0)
+        x64, dy64, w64 = (a.astype(np.float64) for a in (x, dy, w))
+        sdt = np.float64 if dtype == "float64" else np.float32
+        if layer:
+            _, mean, rstd = reference.layer_norm(x64, cols, return_stats=True)
+            stats = (mean.astype(sdt), rstd.astype(sdt))
+        else:
+            _, rstd = reference.rms_norm(x64, cols, return_stats=True)
+            stats = (rstd.astype(sdt),)
+        ref = getattr(reference, op)(dy64, x64, *[s.astype(np.float64) for s in stats], w64)
+        poison(((rows, cols), 8), ((cols,), 8), ((cols,), 8))
+        del reduces[:]
+        got = getattr(cukern, op)(cp.asarray(dy), cp.asarray(x), *map(cp.asarray, stats),
+                                  cp.asarray(w))
+        launch = next(v for v in ln_mod._launches.values()
+                      if v.main.plan is ln_mod.last_plan(op))
+        assert launch.grad is not None and (rows > 1 or launch.grad.prows == 1), launch.grad
+        direct = sums_dtype and launch.grad.prows == 1
+        reduced = [r for r in reduces if r is launch.reduce]
+        assert bool(reduced) != direct, f"{call}: {len(reduced)} reduction launches"
+        assert len(full) == 1, f"{call}: the full path ran {len(full)} times"
+        assert len(got) == len(ref)
+        for name, g, r in zip(("dx", "dweight", "dbias"), got, ref):
+            assert g.dtype == (np_dtype(dtype) if name == "dx" else np_dtype(wdtype)), name
+            err = rel_err(g, r)
+            assert err <= TOL[dtype], f"{call} {name}: rel err {err:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
