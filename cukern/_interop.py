@@ -349,6 +349,8 @@ def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
                 f"lazy view of another tensor's memory); cukern would write the memory as "
                 f"stored: pass a tensor without it")
         x = x.resolve_conj().resolve_neg()  # a copy with the values it stands for
+    if kind == "torch":
+        _check_torch_dtype(fn, arg, x)
     if kind == "torch" and x.is_cuda:
         view = torch_view(x)
         if view is not None:
@@ -360,6 +362,25 @@ def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
             f"to the GPU first")
     with on_device(int(dev_id)):  # the exchange orders the array's GPU's current streams
         return Adapted(cp.from_dlpack(x), kind)
+
+
+def _check_torch_dtype(fn: str, arg: str, x) -> None:
+    """TypeError naming ``arg`` for a PyTorch tensor that CuPy cannot hold: a quantized tensor,
+    or a dtype with no NumPy counterpart (complex32, the float8 types, bit and sub-byte
+    types); unsigned 16- to 64-bit tensors are left to the exchange."""
+    if x.is_quantized:
+        raise TypeError(f"{fn}: {arg} is a quantized PyTorch tensor ({x.dtype}); cukern takes "
+                        f"plain tensors: pass {arg}.dequantize()")
+    if not _np_of_torch:
+        _dtype_tables()
+    if x.dtype not in _np_of_torch and str(x.dtype) not in _TORCH_UNSIGNED:
+        raise TypeError(
+            f"{fn}: {arg} is a PyTorch tensor of dtype {x.dtype}, which CuPy has no dtype for; "
+            f"convert it first ({arg}.float(), say), or for permute view its bytes as an "
+            f"integer type of the same size ({arg}.view(torch.uint8) for one-byte types)")
+
+
+_TORCH_UNSIGNED = ("torch.uint16", "torch.uint32", "torch.uint64")
 
 
 def handed_back(out, o):

@@ -4,6 +4,7 @@ PyTorch and CUDA graphs are tests/test_interop_gpu.py and tests/test_capture_gpu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import cukern
@@ -169,3 +170,28 @@ def test_tensors_that_are_not_strided_are_refused():
     with pytest.raises(TypeError, match=r"layer_norm: weight is a PyTorch tensor of layout "
                                         r"torch.sparse_coo; cukern takes strided"):
         _interop.adapt("layer_norm", "weight", t)
+
+
+def test_tensors_of_dtypes_cupy_lacks_are_refused(monkeypatch):
+    """A quantized PyTorch tensor, or one whose dtype has no NumPy counterpart (complex32, the
+    float8 types), gets a TypeError naming the argument and its dtype, before any exchange
+    (the fake tensors have none); a dtype CuPy has passes the check."""
+    from cukern import _interop
+
+    float32 = object()
+    monkeypatch.setattr(_interop, "_np_of_torch", {float32: np.dtype(np.float32)})
+
+    def tensor(dtype, quantized=False):
+        return _fake_tensor(is_cuda=True, requires_grad=False, is_conj=lambda: False,
+                            is_neg=lambda: False, is_quantized=quantized, dtype=dtype,
+                            __dlpack__=None, __dlpack_device__=None)
+
+    with pytest.raises(TypeError, match=r"permute: x is a quantized PyTorch tensor \(torch.qint8"
+                                        r"\); cukern takes plain tensors: pass x.dequantize"):
+        _interop.adapt("permute", "x", tensor("torch.qint8", quantized=True))
+    for name in ("torch.complex32", "torch.float8_e4m3fn"):
+        with pytest.raises(TypeError, match=rf"softmax: y is a PyTorch tensor of dtype {name}, "
+                                            r"which CuPy has no dtype for"):
+            _interop.adapt("softmax", "y", tensor(name))
+    _interop._check_torch_dtype("softmax", "x", tensor(float32))  # no error
+    _interop._check_torch_dtype("permute", "x", tensor("torch.uint16"))  # left to DLPack

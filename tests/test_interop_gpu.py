@@ -404,6 +404,36 @@ def test_lazy_conjugate_and_negative_views_are_read_as_the_values_they_stand_for
     torch.testing.assert_close(cukern.batch_norm(xb, rm, rv), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["complex32", "float8_e4m3fn", "float8_e5m2", "quantized"])
+def test_tensors_of_dtypes_cupy_lacks_are_refused(kind):
+    """A CUDA tensor CuPy cannot hold (complex32, float8, quantized) gets a TypeError naming
+    the argument and its dtype from every op, not PyTorch's or CuPy's exchange error; its
+    bytes viewed as uint8 permute as they are."""
+    torch = _torch()
+    x = torch.randn(4, 8, device="cuda")
+    if kind == "quantized":
+        try:
+            t = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+        except (RuntimeError, NotImplementedError) as err:
+            pytest.skip(f"this PyTorch has no CUDA quantized tensors ({err})")
+        pattern = r"x is a quantized PyTorch tensor"
+    else:
+        if not hasattr(torch, kind):
+            pytest.skip(f"this PyTorch has no {kind}")
+        try:
+            t = x.to(getattr(torch, kind))
+        except (RuntimeError, TypeError) as err:
+            pytest.skip(f"this PyTorch cannot make a CUDA {kind} tensor ({err})")
+        pattern = rf"x is a PyTorch tensor of dtype torch.{kind}, which CuPy has no dtype for"
+    for call in (lambda: cukern.permute(t, (1, 0)), lambda: cukern.softmax(t),
+                 lambda: cukern.layer_norm(t, 8)):
+        with pytest.raises(TypeError, match=pattern):
+            call()
+    if kind.startswith("float8"):
+        y = cukern.permute(t.view(torch.uint8), (1, 0)).view(t.dtype)
+        assert y.dtype == t.dtype and torch.equal(y.view(torch.uint8), t.view(torch.uint8).T)
+
+
 def test_sparse_tensors_are_refused():
     """A sparse CUDA tensor gets a TypeError naming the argument, also with the layout's fast
     path ready (it has no strides to read)."""
