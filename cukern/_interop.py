@@ -351,6 +351,8 @@ def adapt(fn: str, arg: str, x, *, out: bool = False) -> Adapted:
         x = x.resolve_conj().resolve_neg()  # a copy with the values it stands for
     if kind == "torch":
         _check_torch_dtype(fn, arg, x)
+    elif kind == "jax":
+        _check_jax_dtype(fn, arg, x)
     if kind == "torch" and x.is_cuda:
         view = torch_view(x)
         if view is not None:
@@ -381,6 +383,17 @@ def _check_torch_dtype(fn: str, arg: str, x) -> None:
 
 
 _TORCH_UNSIGNED = ("torch.uint16", "torch.uint32", "torch.uint64")
+
+
+def _check_jax_dtype(fn: str, arg: str, x) -> None:
+    """TypeError naming ``arg`` for a JAX array of an ml_dtypes type other than bfloat16 (the
+    float8 and 4-bit types), which CuPy cannot import."""
+    dt = np.dtype(x.dtype)
+    if dt.type.__module__.split(".")[0] == "ml_dtypes" and dt.name != "bfloat16":
+        raise TypeError(
+            f"{fn}: {arg} is a JAX array of dtype {dt.name}, which CuPy has no dtype for; "
+            f"convert it first ({arg}.astype(jnp.float32), say), or for permute view its bytes "
+            f"as an integer type of the same size (jax.lax.bitcast_convert_type)")
 
 
 def handed_back(out, o):

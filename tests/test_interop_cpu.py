@@ -195,3 +195,29 @@ def test_tensors_of_dtypes_cupy_lacks_are_refused(monkeypatch):
             _interop.adapt("softmax", "y", tensor(name))
     _interop._check_torch_dtype("softmax", "x", tensor(float32))  # no error
     _interop._check_torch_dtype("permute", "x", tensor("torch.uint16"))  # left to DLPack
+
+
+def test_jax_arrays_of_dtypes_cupy_lacks_are_refused():
+    """A JAX array of an ml_dtypes type other than bfloat16 (float8, int4) gets a TypeError
+    naming the argument and its dtype, before any exchange (the fakes have none); bfloat16 and
+    NumPy's own types pass."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from cukern import _interop
+
+    def array(dtype):
+        class ArrayImpl:
+            pass
+
+        ArrayImpl.__module__ = "jaxlib.xla_extension"
+        a = ArrayImpl()
+        a.dtype, a.__dlpack__, a.__dlpack_device__ = np.dtype(dtype), None, None
+        return a
+
+    for name in ("float8_e4m3fn", "float8_e5m2", "int4"):
+        if not hasattr(ml_dtypes, name):
+            continue
+        with pytest.raises(TypeError, match=rf"softmax: x is a JAX array of dtype {name}, "
+                                            r"which CuPy has no dtype for"):
+            _interop.adapt("softmax", "x", array(getattr(ml_dtypes, name)))
+    for ok in (ml_dtypes.bfloat16, np.float32, np.int8):
+        _interop._check_jax_dtype("permute", "x", array(ok))

@@ -434,6 +434,21 @@ def test_tensors_of_dtypes_cupy_lacks_are_refused(kind):
         assert y.dtype == t.dtype and torch.equal(y.view(torch.uint8), t.view(torch.uint8).T)
 
 
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "int4"])
+def test_jax_arrays_of_dtypes_cupy_lacks_are_refused(name):
+    """A JAX array of a float8 or 4-bit type gets a TypeError naming the argument and dtype,
+    not CuPy's or JAX's exchange error."""
+    jax, gpu = _jax_gpu()
+    jnp = jax.numpy
+    if not hasattr(jnp, name):
+        pytest.skip(f"this JAX has no {name}")
+    a = jax.device_put(jnp.ones((4, 8), jnp.float32), gpu).astype(getattr(jnp, name))
+    for call in (lambda: cukern.permute(a, (1, 0)), lambda: cukern.softmax(a)):
+        with pytest.raises(TypeError, match=rf"x is a JAX array of dtype {name}, which CuPy "
+                                            r"has no dtype for"):
+            call()
+
+
 def test_sparse_tensors_are_refused():
     """A sparse CUDA tensor gets a TypeError naming the argument, also with the layout's fast
     path ready (it has no strides to read)."""
