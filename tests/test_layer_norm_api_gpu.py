@@ -16,6 +16,7 @@ from cukern.ops import layer_norm as ln_mod
 from .conftest import DTYPES, TOL
 from .test_layer_norm_gpu import (
     STAT_TOL,
+    backward_stats,
     check_backward,
     col_sums_shapes,
     host,
@@ -61,7 +62,6 @@ def test_one_partial_row_is_dweight_itself(op, dtype, wdtype, rows, rng, monkeyp
     row, written by the main kernel (or the separate column-sum kernel) with no reduction
     launch; 16-bit parameters, and several partial rows, still go through the reduction. Full
     path and fast path, fresh data and NaN-poisoned outputs each call, against float64 NumPy."""
-    layer = op == "layer_norm_backward"
     reduces = []
     real = runner.AuxLaunch.__call__
     monkeypatch.setattr(runner.AuxLaunch, "__call__",
@@ -77,13 +77,7 @@ def test_one_partial_row_is_dweight_itself(op, dtype, wdtype, rows, rng, monkeyp
         x, dy = make((rows, cols), dtype, rng), make((rows, cols), dtype, rng, 1.0, 0.1)
         w = make(cols, wdtype, rng, 1.0, 1.0)
         x64, dy64, w64 = (a.astype(np.float64) for a in (x, dy, w))
-        sdt = np.float64 if dtype == "float64" else np.float32
-        if layer:
-            _, mean, rstd = reference.layer_norm(x64, cols, return_stats=True)
-            stats = (mean.astype(sdt), rstd.astype(sdt))
-        else:
-            _, rstd = reference.rms_norm(x64, cols, return_stats=True)
-            stats = (rstd.astype(sdt),)
+        stats = backward_stats(op, x64, dtype)
         ref = getattr(reference, op)(dy64, x64, *[s.astype(np.float64) for s in stats], w64)
         poison(((rows, cols), 8), ((cols,), 8), ((cols,), 8))
         del reduces[:]

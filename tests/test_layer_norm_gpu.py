@@ -711,20 +711,24 @@ def test_empty_arrays():
 # ---------------------------------------------------------------------------------------------
 # Backward.
 
+def backward_stats(op, x64, dtype) -> tuple:
+    """A backward's statistics from the float64 forward over the last axis of ``x64``, rounded
+    to the statistics dtype: (mean, rstd) for layer norm, (rstd,) for RMS norm."""
+    sdt = stat_dtype(dtype)
+    if op == "layer_norm_backward":
+        _, mean, rstd = reference.layer_norm(x64, x64.shape[-1], return_stats=True)
+        return mean.astype(sdt), rstd.astype(sdt)
+    _, rstd = reference.rms_norm(x64, x64.shape[-1], return_stats=True)
+    return (rstd.astype(sdt),)
+
+
 def check_backward(op, x, dy, w, dtype, b=None):
     """Statistics from the float64 forward, rounded to the statistics dtype, go to both the
     kernel and the reference; dx, dweight, dbias from NaN-poisoned fresh outputs. ``b``: the
     layer norm's bias (dbias is expected with a weight or a bias)."""
-    layer = op == "layer_norm_backward"
     cols = x.shape[-1]
-    sdt = stat_dtype(dtype)
     x64 = x.astype(np.float64)
-    if layer:
-        _, mean, rstd = reference.layer_norm(x64, cols, return_stats=True)
-        stats = (mean.astype(sdt), rstd.astype(sdt))
-    else:
-        _, rstd = reference.rms_norm(x64, cols, return_stats=True)
-        stats = (rstd.astype(sdt),)
+    stats = backward_stats(op, x64, dtype)
     bias = () if b is None else (b,)
     ref = getattr(reference, op)(dy.astype(np.float64), x64,
                                  *[s.astype(np.float64) for s in stats],
