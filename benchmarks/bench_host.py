@@ -103,11 +103,26 @@ def import_tree(path: str, name: str = "cukern_base"):
     return mod
 
 
-def measure_ab(base_path: str, rounds: int = 5) -> list[dict]:
+def interleaved(timed: dict) -> dict:
+    """Name -> host time of each call in ``timed`` (name -> call): the median over ROUNDS
+    rounds, each timing every call in turn (``enqueue_us`` over 400 / ROUNDS batches), so all
+    of them see the same machine state (a lent machine's host speed drifts within seconds)."""
+    samples = {k: [] for k in timed}
+    for _ in range(ROUNDS):
+        for k, fn in timed.items():
+            samples[k].append(_bench.enqueue_us(fn, batches=400 // ROUNDS))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _print_row(row: dict) -> None:
+    print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{v}" for k, v in row.items()),
+          flush=True)
+
+
+def measure_ab(base_path: str) -> list[dict]:
     """Host time of every op with CuPy and PyTorch inputs in this tree and the tree at
-    ``base_path``, in one process: each round times the base's call, then this tree's
-    (``enqueue_us`` over 100 batches each), so both see the same machine state (lent machines
-    drift by up to 1.6x between runs); medians over the rounds."""
+    ``base_path``, in one process, every call of an op's row in each round
+    (:func:`interleaved`)."""
     base = import_tree(base_path)
     a = arrays()
     kinds = {"cupy": a}
@@ -120,17 +135,11 @@ def measure_ab(base_path: str, rounds: int = 5) -> list[dict]:
     trees = {"base": cukern_calls(base), "new": cukern_calls(cukern)}
     rows = []
     for op in trees["new"]:
-        row = {"op": op, "dtype": "float32"}
-        for kind, args in kinds.items():
-            samples = {t: [] for t in trees}
-            for _ in range(rounds):
-                for t, calls in trees.items():
-                    samples[t].append(_bench.enqueue_us(lambda: calls[op](args), batches=100))
-            for t in trees:
-                row[f"{t}_{kind}_us"] = statistics.median(samples[t])
+        timed = {f"{t}_{kind}_us": (lambda c=calls[op], a=args: c(a))
+                 for kind, args in kinds.items() for t, calls in trees.items()}
+        row = {"op": op, "dtype": "float32", **interleaved(timed)}
         rows.append(row)
-        print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{v}"
-                       for k, v in row.items()), flush=True)
+        _print_row(row)
     return rows
 
 
@@ -225,9 +234,6 @@ def measure(jax: bool = True) -> list[dict]:
     cp.cuda.Device().synchronize()
     rows = []
     for op, call in cukern_calls().items():
-        # every column of the row, timed in ROUNDS interleaved rounds (medians): a lent
-        # machine's host speed drifts within seconds, so a column timed apart from the others
-        # is not comparable with them
         timed = {f"cukern_{kind}_us": (lambda c=call, a=args: c(a)) for kind, args in
                  kinds.items()}
         if op in prepared:
@@ -238,15 +244,9 @@ def measure(jax: bool = True) -> list[dict]:
         for peer, (calls, args) in peers.items():
             if op in calls:
                 timed[f"{peer}_us"] = lambda c=calls[op], a=args: c(a)
-        samples = {k: [] for k in timed}
-        for _ in range(ROUNDS):
-            for k, fn in timed.items():
-                samples[k].append(_bench.enqueue_us(fn, batches=400 // ROUNDS))
-        row = {"op": op, "dtype": "float32"}
-        row.update({k: statistics.median(v) for k, v in samples.items()})
+        row = {"op": op, "dtype": "float32", **interleaved(timed)}
         rows.append(row)
-        print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{v}"
-                       for k, v in row.items()), flush=True)
+        _print_row(row)
     return rows
 
 
