@@ -187,7 +187,7 @@ def _jax_fn(mode, sets, axis_last: bool):
 
 
 def sweep(modes, dtypes, shape_list, reps: int, peers=("torch", "jax"),
-          ab_one_read: bool = False) -> list[dict]:
+          ab_one_read: bool = False, layouts=("NCHW", "NHWC", "NC")) -> list[dict]:
     results, copy_cache = [], {}
     _bench.warm_up(2.0)
     for mode, name, (label, shape) in itertools.product(modes, dtypes, shape_list):
@@ -195,6 +195,8 @@ def sweep(modes, dtypes, shape_list, reps: int, peers=("torch", "jax"),
         item = np.dtype(dtype).itemsize
         numel = math.prod(shape)
         for layout in ("NCHW",) if len(shape) == 2 else ("NCHW", "NHWC"):
+            if (layout if len(shape) > 2 else "NC") not in layouts:
+                continue
             array_bytes = numel * item
             once, twice = moved(mode, numel, item)
             if array_bytes not in copy_cache:
@@ -369,6 +371,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 64 and one BatchNorm1d shape")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--layouts", default="NCHW,NHWC,NC",
+                    help="memory layouts to time (NC: the 2-D shapes)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--peers", default="torch,jax")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -383,11 +387,12 @@ def main() -> None:
     changes = dict((k, int(v)) for k, v in (f.split("=") for f in args.tuning.split(",") if f))
     with obn.tuned(**changes):
         results = sweep(modes, dtypes, shapes(args.quick), args.reps,
-                        tuple(p for p in args.peers.split(",") if p), args.ab_one_read)
+                        tuple(p for p in args.peers.split(",") if p), args.ab_one_read,
+                        tuple(args.layouts.split(",")))
     device = DeviceSpec.from_device().name
     run = _results.Run(args.out, "batch_norm", device, quick=args.quick)
     payload = run.merge_previous({"results": results},
-                                 key=lambda r: (r["mode"], r["dtype"]))
+                                 key=lambda r: (r["mode"], r["dtype"], r["layout"]))
     run.save(payload)
     plot(payload["results"], run.png_path, f"cukern batch norm on {device} (% of copy)")
     hist = [dict(r, op=r["op"] + ("" if r["layout"] == "NC" else f"[{r['layout']}]"))

@@ -307,6 +307,20 @@ _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
 _non_portable: set[int] = set()  # kernels (function handles) opted in
 
 
+def allow_non_portable_clusters(kern) -> None:
+    """Opts a compiled kernel (``cupy.RawKernel``, its device current) into clusters past
+    ``PORTABLE_CLUSTER`` blocks, once."""
+    if kern.kernel.ptr in _non_portable:
+        return
+    from cupy_backends.cuda.api import driver
+
+    try:
+        driver.funcSetAttribute(kern.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    except Exception:  # an older driver: the occupancy check then finds no room for it
+        pass
+    _non_portable.add(kern.kernel.ptr)
+
+
 def kernel(plan: _plan.Plan, device_id: int):
     """The compiled kernel of a plan, allowed all the dynamic shared memory the device has
     beside the kernel's static shared memory (set once; plans of different sizes share it),
@@ -314,14 +328,8 @@ def kernel(plan: _plan.Plan, device_id: int):
     device and sets attributes on the current device's: call it with ``device_id`` current."""
     kern = _compile.get_kernel(plan.family, plan.name_expression(), device_id)
     _context_current()
-    if plan.cluster > PORTABLE_CLUSTER and kern.kernel.ptr not in _non_portable:
-        from cupy_backends.cuda.api import driver
-
-        try:
-            driver.funcSetAttribute(kern.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-        except Exception:  # an older driver: the occupancy check then finds no room for it
-            pass
-        _non_portable.add(kern.kernel.ptr)
+    if plan.cluster > PORTABLE_CLUSTER:
+        allow_non_portable_clusters(kern)
     if plan.smem_bytes:
         limit = device_spec(device_id).smem_per_block_optin - kern.shared_size_bytes
         if kern.max_dynamic_shared_size_bytes != limit:

@@ -27,10 +27,13 @@
 //   batch_norm_train_planes<T, PACK, ADD>         training forward in one read: a block a
 //                                                 channel held in shared memory (statistics,
 //                                                 finish, apply)
+//   batch_norm_train_cols<T, PACK, ADD>           the same over columns: a block (or a
+//                                                 cluster) a tile of channels
 // Every merge runs in a fixed order (no float atomics; the one-read kernel ORs mask words):
 // results are bitwise reproducible.
 #pragma once
 #include "batch_norm_parts.cuh"
+#include "cluster.cuh"
 
 namespace cukern {
 
@@ -311,6 +314,163 @@ __global__ void __launch_bounds__(kBnOneReadThreads)
     }
     if (mask != nullptr) bn::or_mask_bits<PACK>(mask, gi * PACK, kept, in);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One-read training forward, columns layout (channels adjacent, C % PACK == 0): block (k, t)
+// holds tile t (channel packs [TX t, TX t + TX), TX = blockDim.x, a power of two <= 32) of the
+// rows [A k / K, A (k + 1) / K) in shared memory, K = the cluster's size (a launch attribute,
+// sm_90; 1 elsewhere) along grid x. A thread copies (cp.async) and reads back the packs of
+// channel pack tx in rows ty, ty + TY, ...; its shifted sums fold across the warp (shuffles
+// between lanes TX apart), the block (warp by warp, in order) and the cluster (the K blocks'
+// states read from distributed shared memory in rank order, so every block has the same bits);
+// rank 0 finishes the channels (bn::Finish) and every block writes its rows' y (+ addend,
+// ReLU, the mask ORed into zeroed words: a row's tile shares its words with other tiles).
+// Dynamic shared memory: 3 states a channel for every warp, the block's states and the
+// coefficients (to a 128-byte boundary), then the tile (and the addend's): the planner's
+// train_cols step sizes it.
+template <typename T, int PACK, bool ADD>
+__global__ void __launch_bounds__(kBnOneReadThreads, 2)  // two blocks of 100 KB an SM
+    batch_norm_train_cols(const T* __restrict__ x, const T* __restrict__ addend,
+                          T* __restrict__ y, unsigned* __restrict__ mask, int relu, i64 A, int Cp,
+                          CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
+  typedef typename Num<T>::compute C;
+  typedef typename Pack<T, PACK>::word_t Word;
+  const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+  unsigned K = 1, rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  K = static_cast<unsigned>(cluster_size());
+  rank = cluster_rank();
+#endif
+  const i64 r0 = A * rank / K;
+  const int rows = static_cast<int>(A * (rank + 1) / K - r0);
+  const int cp = blockIdx.y * TX + tx, nch = TX * PACK;
+  // first the states (at the same offset in every block of the cluster: their rows differ),
+  // 128-byte aligned, then the tile
+  const int nwarps = (TX * TY + 31) / 32;
+  C* wst = dynamic_smem<C>();  // [warp][3][nch]
+  C* blk = wst + 3 * nwarps * nch;  // the block's states [3][nch], then coefficients [3][nch]
+  C* cf = blk + 3 * nch;
+  const int scratch = ((3 * nwarps + 6) * nch * static_cast<int>(sizeof(C)) + 127) / 128 * 128;
+  Word* xs = reinterpret_cast<Word*>(reinterpret_cast<char*>(wst) + scratch);
+  Word* zs = xs + rows * TX;
+  const Word* xw = reinterpret_cast<const Word*>(x);
+  for (int r = ty; r < rows; r += TY) {
+    const i64 gi = (r0 + r) * Cp + cp;
+    bn::pack_to_smem(xs + r * TX + tx, xw + gi);
+    if (ADD) bn::pack_to_smem(zs + r * TX + tx, reinterpret_cast<const Word*>(addend) + gi);
+  }
+  cp_async_wait_all();
+  // this thread's rows: shifted by its first value of each channel, folded every kFoldValues
+  bn::Stats<C> done[PACK];
+  bn::Shifted<C> cur[PACK];
+  int n = 0;
+  if (ty < rows) {
+    Pack<T, PACK> p0;
+    p0.word = xs[ty * TX + tx];
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      done[k] = bn::Stats<C>::identity();
+      cur[k] = bn::Shifted<C>{pack_value(p0, k), C(0), C(0)};
+    }
+  }
+  for (int r = ty; r < rows; r += TY) {
+    if (n >= bn::kFoldValues) {
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        done[k] = bn::Stats<C>::merge(done[k], cur[k].stats(n));
+        cur[k] = bn::Shifted<C>{done[k].mean, C(0), C(0)};
+      }
+      n = 0;
+    }
+    Pack<T, PACK> p;
+    p.word = xs[r * TX + tx];
+    n += 1;
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) cur[k].add(pack_value(p, k));
+  }
+  const int lane = static_cast<int>(lane_id()), warp = (ty * TX + tx) / 32;
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) {
+    bn::Stats<C> st = ty < rows ? bn::Stats<C>::merge(done[k], cur[k].stats(n))
+                                : bn::Stats<C>::identity();
+    for (int off = TX; off < 32; off *= 2) st = bn::Stats<C>::merge(st, st.shfl_xor(off));
+    if (lane < TX) {
+      const int j = tx * PACK + k;
+      wst[(warp * 3 + 0) * nch + j] = st.n;
+      wst[(warp * 3 + 1) * nch + j] = st.mean;
+      wst[(warp * 3 + 2) * nch + j] = st.m2;
+    }
+  }
+  __syncthreads();
+  const int t = ty * TX + tx;
+  for (int j = t; j < nch; j += TX * TY) {  // the block's state of channel j, warps in order
+    bn::Stats<C> st = bn::Stats<C>::identity();
+    for (int w = 0; w < nwarps; ++w)
+      st = bn::Stats<C>::merge(st, bn::Stats<C>{wst[(w * 3) * nch + j], wst[(w * 3 + 1) * nch + j],
+                                                wst[(w * 3 + 2) * nch + j]});
+    blk[j] = st.n;
+    blk[nch + j] = st.mean;
+    blk[2 * nch + j] = st.m2;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (K > 1) cluster_sync();  // every block's states visible to the cluster
+#endif
+  for (int j = t; j < nch; j += TX * TY) {
+    bn::Stats<C> st{blk[j], blk[nch + j], blk[2 * nch + j]};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (K > 1) {  // the cluster's blocks in rank order: the same bits in every block
+      st = bn::Stats<C>::identity();
+      for (unsigned q = 0; q < K; ++q) {
+        const bn::Stats<C> o{cluster_load(cluster_map(blk + j, q), C(0)),
+                             cluster_load(cluster_map(blk + nch + j, q), C(0)),
+                             cluster_load(cluster_map(blk + 2 * nch + j, q), C(0))};
+        st = bn::Stats<C>::merge(st, o);
+      }
+    }
+#endif
+    const int c = blockIdx.y * nch + j;
+    if (rank == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(c, st);
+    // the apply pass's coefficients, as bn::Finish computes them
+    cf[j] = st.mean;
+    cf[nch + j] = (weight != nullptr ? weight[c] : C(1)) * (C(1) / sqrt(st.m2 / count + eps));
+    cf[2 * nch + j] = bias != nullptr ? bias[c] : C(0);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (K > 1) cluster_arrive(false);  // done reading the other blocks' states (waited at exit)
+#endif
+  __syncthreads();
+  C mean[PACK], scale[PACK], shift[PACK];
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) {
+    mean[k] = cf[tx * PACK + k];
+    scale[k] = cf[nch + tx * PACK + k];
+    shift[k] = cf[2 * nch + tx * PACK + k];
+  }
+  for (int rb = 0; rb < rows; rb += TY) {  // block-uniform trips: or_mask_bits shuffles
+    const int r = rb + ty;
+    const bool in = r < rows;
+    const i64 gi = in ? (r0 + r) * Cp + cp : 0;
+    unsigned kept = 0u;
+    if (in) {
+      Pack<T, PACK> p, z;
+      p.word = xs[r * TX + tx];
+      if (ADD) z.word = zs[r * TX + tx];
+      C v[PACK];
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        v[k] = (pack_value(p, k) - mean[k]) * scale[k] + shift[k];
+        if (ADD) v[k] += pack_value(z, k);
+        if (relu) v[k] = v[k] < C(0) ? C(0) : v[k];
+        kept |= v[k] > C(0) ? 1u << k : 0u;
+      }
+      bn::store_pack<T, PACK>(y, gi, v);
+    }
+    if (mask != nullptr) bn::or_mask_bits<PACK>(mask, gi * PACK, kept, in);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (K > 1) cluster_wait();  // no block leaves while another reads its states
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

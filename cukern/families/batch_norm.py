@@ -11,6 +11,8 @@ Kernel signatures (every shape, split count and grid is read from the launch)::
     batch_norm_grad_finalize<C>
     batch_norm_dx<T, PACK, COLS, SPAN>
     batch_norm_train_planes<T, PACK, ADD>   (training forward in one read; B % PACK == 0)
+    batch_norm_train_cols<T, PACK, ADD>     (the same over columns; its cluster's size, sm_90,
+                                             set at launch)
 
 SPAN (planes only; false for COLS): B is not a multiple of PACK, so a pack may span two
 channels' planes (7x7 in 16-byte packs: ``cukern.plan.batch_norm.spans``).
@@ -28,7 +30,7 @@ _KERNELS = {"stats_planes": "batch_norm_stats_planes", "stats_cols": "batch_norm
             "finalize": "batch_norm_finalize", "apply": "batch_norm_apply",
             "grad_planes": "batch_norm_grad_planes", "grad_cols": "batch_norm_grad_cols",
             "grad_finalize": "batch_norm_grad_finalize", "dx": "batch_norm_dx",
-            "train_planes": "batch_norm_train_planes"}
+            "train_planes": "batch_norm_train_planes", "train_cols": "batch_norm_train_cols"}
 
 
 def _arg(v) -> str:

@@ -31,7 +31,10 @@ class _Kernel(RawLaunch):
         kern = _compile.get_kernel(_SOURCE, step.kernel, device_id)
         if step.smem > kern.max_dynamic_shared_size_bytes:  # past the default 48 KiB
             kern.max_dynamic_shared_size_bytes = step.smem
-        super().__init__(kern.kernel.ptr, step.grid, step.block, step.smem)
+        if step.cluster > c.PORTABLE_CLUSTER:
+            c.allow_non_portable_clusters(kern)
+        super().__init__(kern.kernel.ptr, step.grid, step.block, step.smem,
+                         cluster=step.cluster)
 
 
 class _Launches:
@@ -69,7 +72,9 @@ class _Forward:
         self.fin_head = cs((np.int32(plan.splits), np.int32(ch)))
         self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
         self.one_read = steps[0] if plan.one_read else None
-        if self.one_read is not None:
+        if self.one_read is not None and self.one_read.kind == "train_cols":
+            self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch // plan.pack)))
+        elif self.one_read is not None:
             packs = inner // plan.pack  # a plane's (B % PACK == 0)
             self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch),
                                      np.int32(packs), *map(np.uint32, bnplan.fast_div(packs))))

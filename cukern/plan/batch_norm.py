@@ -13,7 +13,8 @@ the addend are template arguments):
 - training forward: statistics partials per (channel, split) -> a fixed-order merge per channel
   (mean, invstd, running statistics, coefficients) -> the apply pass (y, add, ReLU, mask); or,
   planes whose channel fits a block's shared memory (``bn_one_read_max_bytes``), one launch
-  reading x once (``train_planes``: a block a channel);
+  reading x once (``train_planes``: a block a channel); over columns, tiles of channels whose
+  rows fit a block's (or a cluster's) shared memory likewise (``train_cols``);
 - eval forward: the coefficients from the running statistics -> the apply pass;
 - backward: gradient-sum partials (sum g, sum g (x - mean)) -> merge (dweight, dbias, dx
   coefficients) -> the dx pass (and daddend);
@@ -26,6 +27,8 @@ import math
 from dataclasses import dataclass, field
 
 from .._device import DeviceSpec
+from .batch_norm_one_read import one_read_cols_step, one_read_planes_step
+from .batch_norm_step import _COMPUTE, MAX_REDUCE_THREADS, Step
 from .batch_norm_view import (
     COLUMNS,
     INT32_MAX,
@@ -38,6 +41,7 @@ from .batch_norm_view import (
     layout_strides,
     max_pack,
     pack_for,
+    plane_packs,
     spans,
     unroll_cols,
     unroll_for,
@@ -52,27 +56,6 @@ __all__ = ["ChannelView", "Step", "BatchNormPlan", "channel_view", "layout_strid
            "plan_batch_norm", "reachable_steps", "OPS", "INT32_MAX"]
 
 OPS = ("batch_norm", "batch_norm_backward", "batch_stats")
-MAX_REDUCE_THREADS = 256  # kernels/batch_norm_parts.cuh: kBnReduceThreads (__launch_bounds__)
-MAX_ONE_READ_THREADS = 512  # ... kBnOneReadThreads
-_COMPUTE = {"float16": "float32", "bfloat16": "float32", "float32": "float32",
-            "float64": "float64"}
-
-
-@dataclass(frozen=True)
-class Step:
-    """One kernel launch: its kind and template arguments (the family spells its name), grid,
-    block, dynamic shared memory and what it does."""
-
-    kind: str  # stats_planes | stats_cols | finalize | apply | train_planes | grad_planes |
-    #            grad_cols | grad_finalize | dx
-    targs: tuple
-    grid: tuple[int, ...]
-    block: tuple[int, ...]
-    smem: int = 0
-    what: str = ""
-    kernel: str = ""  # the name expression (set by the family's signature)
-
-
 @dataclass(frozen=True)
 class BatchNormPlan:
     """The launches of one batch-norm call, fully decided. Printable, comparable."""
@@ -101,8 +84,9 @@ class BatchNormPlan:
 
     @property
     def one_read(self) -> bool:
-        """Training forward in one launch reading x once (batch_norm_train_planes)."""
-        return bool(self.steps) and self.steps[0].kind == "train_planes"
+        """Training forward in one launch reading x once (batch_norm_train_planes or, over
+        columns, batch_norm_train_cols)."""
+        return bool(self.steps) and self.steps[0].kind in ("train_planes", "train_cols")
 
     def kernel_names(self) -> tuple[str, ...]:
         return tuple(s.kernel for s in self.steps)
@@ -131,7 +115,13 @@ class BatchNormPlan:
                                  ("mask", self.mask)) if on]
         if fused:
             lines.append(f"  fused              {', '.join(fused)}")
-        if self.one_read:
+        if self.one_read and self.layout == COLUMNS:
+            k = self.steps[0].cluster
+            lines.append("  passes             one read: a block holds a tile of channels over "
+                         "its rows in shared memory" + (f", a cluster of {k} blocks the whole "
+                                                        "tile" if k > 1 else "")
+                         + "; statistics, finish and y in one launch")
+        elif self.one_read:
             lines.append("  passes             one read: a block a channel holds x in shared "
                          "memory; statistics, finish and y in one launch")
         elif self.op == "batch_norm" and self.training or self.op == "batch_norm_backward":
@@ -148,7 +138,8 @@ class BatchNormPlan:
                          f"in a fixed order (deterministic)")
         chip = []
         if self.one_read:
-            chip.append(f"each channel's x{' and addend' if self.addend else ''} in its block's "
+            what = "each tile's rows of" if self.layout == COLUMNS else "each channel's"
+            chip.append(f"{what} x{' and addend' if self.addend else ''} in its block's "
                         f"shared memory ({self.steps[0].smem} bytes)")
         elif self.splits:
             chip.append("per-thread partial states in registers, a block's folded "
@@ -160,6 +151,7 @@ class BatchNormPlan:
         for s in self.steps:
             lines.append(f"  {s.kind:<18} {s.kernel}")
             lines.append(f"  {'':<18} grid {s.grid} block {s.block}"
+                         + (f" cluster {s.cluster}" if s.cluster > 1 else "")
                          + (f" smem {s.smem}" if s.smem else "") + (f": {s.what}" if s.what
                                                                    else ""))
         lines += [f"  note: {n}" for n in self.notes]
@@ -232,35 +224,6 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
     targs = (dtype, pack) if cols else (dtype, pack, spans(view, pack))
     step = Step(f"{kind}_{'cols' if cols else 'planes'}", targs, (lanes, splits), block, smem)
     return step, splits
-
-
-def _one_read_step(view: ChannelView, dtype: str, pack: int, span: bool, addend: bool,
-                   device: DeviceSpec, tuning: Tuning, relu: bool, mask: bool) -> Step | None:
-    """The one-read training step (planes): a block a channel, its packs (and the addend's)
-    in shared memory, where they fit the tuning's bn_one_read_max_bytes and the device and
-    packs are at least bn_min_pack_bytes wide (bn_one_read_min_pack_bytes_addend with an
-    addend) and lie in one plane; else None (the two passes)."""
-    a, c, b = view
-    packs = a * plane_packs(b, pack)
-    smem = packs * pack * ITEMSIZE[dtype] * (2 if addend else 1)
-    static = 2 * 32 * 3 * ITEMSIZE[_COMPUTE[dtype]]  # allreduce_block's partial states
-    if (not tuning.bn_one_read_max_bytes or smem > tuning.bn_one_read_max_bytes
-            or pack * ITEMSIZE[dtype] < tuning.bn_min_pack_bytes  # narrow packs: two passes
-            or span  # packs across planes: element stores at a plane's ends (7x7 ran slower)
-            or addend and pack * ITEMSIZE[dtype] < tuning.bn_one_read_min_pack_bytes_addend
-            or smem + static > device.smem_per_block_optin or packs >= 2**31):
-        return None
-    need = max(1, packs // tuning.bn_block_min_packs_per_thread)
-    if tuning.bn_one_read_max_threads > MAX_ONE_READ_THREADS:
-        raise ValueError(f"plan: bn_one_read_max_threads {tuning.bn_one_read_max_threads}: the "
-                         f"kernel takes at most {MAX_ONE_READ_THREADS} (kBnOneReadThreads)")
-    blocks = device.smem_per_sm // (smem + static + device.reserved_smem_per_block)
-    most = tuning.bn_one_read_max_threads if blocks <= 2 else tuning.bn_reduce_threads
-    threads = min(most, max(64, 1 << (need - 1).bit_length()))
-    what = ("x" + (" and the addend" if addend else "") + " of a channel in shared memory: "
-            "statistics, mean, invstd, running stats, then y" + (" + addend" if addend else "")
-            + (", ReLU" if relu else "") + (", mask (ORed words)" if mask else ""))
-    return Step("train_planes", (dtype, pack, addend), (c,), (threads,), smem, what)
 
 
 def partial_cap(view: ChannelView, dtype: str, state_values: int, tuning: Tuning) -> int:
@@ -348,8 +311,12 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
     notes = []
     # columns reductions keep at most bn_cols_reduce_max_pack channels' states a thread
     rpack = min(pack, tuning.bn_cols_reduce_max_pack) if cols else pack
-    one_read = (_one_read_step(view, dtype, pack, span, addend, device, tuning, relu, mask)
-                if op == "batch_norm" and training and not cols else None)
+    one_read = None
+    if op == "batch_norm" and training:
+        one_read = (one_read_cols_step(view, dtype, pack, addend, device, tuning, relu, mask)
+                    if cols else
+                    one_read_planes_step(view, dtype, pack, span, addend, device, tuning, relu,
+                                         mask))
     if one_read is not None:
         steps.append(one_read)
         splits = 1
@@ -399,17 +366,11 @@ def plan_batch_norm(op: str, view: ChannelView, dtype: str, device: DeviceSpec |
         notes.append(f"{pack * ITEMSIZE[dtype]}-byte accesses: "
                      f"{'B' if not cols else 'C'} or the alignment allows no wider")
     if signature is not None:
-        steps = [Step(s.kind, s.targs, s.grid, s.block, s.smem, s.what, signature(s))
-                 for s in steps]
+        steps = [Step(s.kind, s.targs, s.grid, s.block, s.smem, s.what, signature(s),
+                      s.cluster) for s in steps]
     return BatchNormPlan(op, dtype, view, pack, tuple(steps), training=training, relu=relu,
                          addend=addend, mask=mask, splits=splits, copied=copied,
                          device=device.name, notes=tuple(notes))
-
-
-def plane_packs(b: int, pack: int) -> int:
-    """Packs a planes reduction reads per plane of ``b`` elements (bn::plane_bits): B / PACK
-    where PACK divides B, else enough for a plane starting anywhere in its first pack."""
-    return b // pack if b % pack == 0 else (b + 2 * pack - 2) // pack
 
 
 def flat_args(plan: BatchNormPlan) -> tuple[int, int, int, int, int, int]:
@@ -450,10 +411,11 @@ def reachable_steps(op: str, dtype: str) -> list[tuple[str, tuple]]:
         out += [("apply", (dtype, p, False, add, sp)) for p, sp in planes
                 for add in (False, True)]
         out += [("apply", (dtype, p, True, add, False)) for p in packs for add in (False, True)]
-        out += [("train_planes", (dtype, p, add)) for p in packs
-                for add in (False, True)
+        out += [(kind, (dtype, p, add)) for kind in ("train_planes", "train_cols")
+                for p in packs for add in (False, True)
                 if any(t.bn_one_read_max_bytes and p * item >= t.bn_min_pack_bytes and not (
-                    add and p * item < t.bn_one_read_min_pack_bytes_addend)
+                    add and p * item < t.bn_one_read_min_pack_bytes_addend) and not (
+                    add and kind == "train_cols" and not t.bn_one_read_cols_addend)
                     for t in (HOPPER, AMPERE))]
     if op == "batch_norm_backward":
         out += [("grad_planes", (dtype, p, sp)) for p, sp in planes]

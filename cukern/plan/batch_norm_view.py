@@ -13,7 +13,8 @@ from .common import ITEMSIZE
 
 __all__ = ["ChannelView", "channel_view", "layout_strides", "fast_div", "pack_for",
            "flat_pack_for", "spans", "max_pack", "unroll_for", "unroll_cols",
-           "elementwise_unroll", "unroll_reduce", "INT32_MAX", "PLANES", "COLUMNS"]
+           "elementwise_unroll", "unroll_reduce", "plane_packs", "INT32_MAX", "PLANES",
+           "COLUMNS"]
 
 INT32_MAX = 2**31 - 1
 PLANES, COLUMNS = "planes", "columns"
@@ -158,3 +159,9 @@ def spans(view: ChannelView, pack: int) -> bool:
     """Whether a planes pack may span two planes (B not a multiple of the pack): the SPAN
     template argument of the planes kernels."""
     return view.layout == PLANES and view.inner % pack != 0
+
+
+def plane_packs(b: int, pack: int) -> int:
+    """Packs a planes reduction reads per plane of ``b`` elements (bn::plane_bits): B / PACK
+    where PACK divides B, else enough for a plane starting anywhere in its first pack."""
+    return b // pack if b % pack == 0 else (b + 2 * pack - 2) // pack
