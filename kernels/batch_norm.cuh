@@ -251,9 +251,10 @@ __global__ void __launch_bounds__(256)
 // asynchronous copies (and the addend's beside them), the block's Welford state finishes the
 // channel (bn::Finish: mean, invstd, running statistics) and y (+ addend, ReLU) is written from
 // shared memory: x crosses HBM once and the launch is the whole call. Each thread reads back
-// only the packs it copied. mask (or null, zeroed by the host): bn::or_mask_bits, a plane's end
-// words being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs
-// (2 A W with ADD); the planner takes this kernel only where that fits.
+// only the packs it copied (summing them group by group as they land, bn::copy_then_use, was
+// within 2 points either way here). mask (or null, zeroed by the host): bn::or_mask_bits, a
+// plane's end words being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs (2 A W with ADD); the
+// planner takes this kernel only where that fits.
 template <typename T, int PACK, bool ADD>
 __global__ void __launch_bounds__(kBnOneReadThreads)
     batch_norm_train_planes(const T* __restrict__ x, const T* __restrict__ addend,
@@ -320,15 +321,15 @@ __global__ void __launch_bounds__(kBnOneReadThreads)
 // One-read training forward, columns layout (channels adjacent, C % PACK == 0): block (k, t)
 // holds tile t (channel packs [TX t, TX t + TX), TX = blockDim.x, a power of two <= 32) of the
 // rows [A k / K, A (k + 1) / K) in shared memory, K = the cluster's size (a launch attribute,
-// sm_90; 1 elsewhere) along grid x. A thread copies (cp.async) and reads back the packs of
-// channel pack tx in rows ty, ty + TY, ...; its shifted sums fold across the warp (shuffles
-// between lanes TX apart), the block (warp by warp, in order) and the cluster (the K blocks'
-// states read from distributed shared memory in rank order, so every block has the same bits);
-// rank 0 finishes the channels (bn::Finish) and every block writes its rows' y (+ addend,
-// ReLU, the mask ORed into zeroed words: a row's tile shares its words with other tiles).
-// Dynamic shared memory: 3 states a channel for every warp, the block's states and the
-// coefficients (to a 128-byte boundary), then the tile (and the addend's): the planner's
-// train_cols step sizes it.
+// sm_90; 1 elsewhere) along grid x. A thread copies (cp.async, summed group by group as they
+// land: bn::copy_then_use) and reads back the packs of channel pack tx in rows ty, ty + TY,
+// ...; its shifted sums fold across the warp (shuffles between lanes TX apart), the block
+// (warp by warp, in order) and the cluster (the K blocks' states read from distributed shared
+// memory in rank order, so every block has the same bits); rank 0 finishes the channels
+// (bn::Finish) and every block writes its rows' y (+ addend, ReLU, the mask ORed into zeroed
+// words: a row's tile shares its words with other tiles). Dynamic shared memory: 3 states a
+// channel for every warp, the block's states and the coefficients (to a 128-byte boundary),
+// then the tile (and the addend's): the planner's train_cols step sizes it.
 template <typename T, int PACK, bool ADD>
 __global__ void __launch_bounds__(kBnOneReadThreads, 2)  // two blocks of 100 KB an SM
     batch_norm_train_cols(const T* __restrict__ x, const T* __restrict__ addend,
@@ -355,45 +356,48 @@ __global__ void __launch_bounds__(kBnOneReadThreads, 2)  // two blocks of 100 KB
   Word* xs = reinterpret_cast<Word*>(reinterpret_cast<char*>(wst) + scratch);
   Word* zs = xs + rows * TX;
   const Word* xw = reinterpret_cast<const Word*>(x);
-  for (int r = ty; r < rows; r += TY) {
-    const i64 gi = (r0 + r) * Cp + cp;
-    bn::pack_to_smem(xs + r * TX + tx, xw + gi);
-    if (ADD) bn::pack_to_smem(zs + r * TX + tx, reinterpret_cast<const Word*>(addend) + gi);
-  }
-  cp_async_wait_all();
-  // this thread's rows: shifted by its first value of each channel, folded every kFoldValues
+  // this thread's rows ty + i TY, i < mine, shifted by the block's first row of each channel
+  // (one broadcast load), folded every kFoldValues
+  const int mine = ty < rows ? (rows - ty + TY - 1) / TY : 0;
   bn::Stats<C> done[PACK];
   bn::Shifted<C> cur[PACK];
-  int n = 0;
-  if (ty < rows) {
-    Pack<T, PACK> p0;
-    p0.word = xs[ty * TX + tx];
+  if (mine > 0) {
+    const Pack<T, PACK> k0 = bn::load_pack<T, PACK>(x, r0 * Cp + cp);
 #pragma unroll
     for (int k = 0; k < PACK; ++k) {
       done[k] = bn::Stats<C>::identity();
-      cur[k] = bn::Shifted<C>{pack_value(p0, k), C(0), C(0)};
+      cur[k] = bn::Shifted<C>{pack_value(k0, k), C(0), C(0)};
     }
   }
-  for (int r = ty; r < rows; r += TY) {
-    if (n >= bn::kFoldValues) {
+  int n = 0;
+  bn::copy_then_use(
+      mine,
+      [&](int i) {
+        const int r = ty + i * TY;
+        const i64 gi = (r0 + r) * Cp + cp;
+        bn::pack_to_smem(xs + r * TX + tx, xw + gi);
+        if (ADD) bn::pack_to_smem(zs + r * TX + tx, reinterpret_cast<const Word*>(addend) + gi);
+      },
+      [&](int i) {
+        if (n >= bn::kFoldValues) {
 #pragma unroll
-      for (int k = 0; k < PACK; ++k) {
-        done[k] = bn::Stats<C>::merge(done[k], cur[k].stats(n));
-        cur[k] = bn::Shifted<C>{done[k].mean, C(0), C(0)};
-      }
-      n = 0;
-    }
-    Pack<T, PACK> p;
-    p.word = xs[r * TX + tx];
-    n += 1;
+          for (int k = 0; k < PACK; ++k) {
+            done[k] = bn::Stats<C>::merge(done[k], cur[k].stats(n));
+            cur[k] = bn::Shifted<C>{done[k].mean, C(0), C(0)};
+          }
+          n = 0;
+        }
+        Pack<T, PACK> p;
+        p.word = xs[(ty + i * TY) * TX + tx];
+        n += 1;
 #pragma unroll
-    for (int k = 0; k < PACK; ++k) cur[k].add(pack_value(p, k));
-  }
+        for (int k = 0; k < PACK; ++k) cur[k].add(pack_value(p, k));
+      });
   const int lane = static_cast<int>(lane_id()), warp = (ty * TX + tx) / 32;
 #pragma unroll
   for (int k = 0; k < PACK; ++k) {
-    bn::Stats<C> st = ty < rows ? bn::Stats<C>::merge(done[k], cur[k].stats(n))
-                                : bn::Stats<C>::identity();
+    bn::Stats<C> st = mine > 0 ? bn::Stats<C>::merge(done[k], cur[k].stats(n))
+                               : bn::Stats<C>::identity();
     for (int off = TX; off < 32; off *= 2) st = bn::Stats<C>::merge(st, st.shfl_xor(off));
     if (lane < TX) {
       const int j = tx * PACK + k;

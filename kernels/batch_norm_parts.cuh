@@ -200,6 +200,27 @@ template <typename W> __device__ __forceinline__ void pack_to_smem(W* dst, const
   }
 }
 
+// A thread's `mine` packs copied to shared memory in kCopyGroups groups (copy(i) issues the
+// i-th's cp.async), each handed to use(i) once its group has landed: the one-read kernels sum
+// the first packs while the later ones are still in flight.
+constexpr int kCopyGroups = 4;
+template <typename Copy, typename Use>
+__device__ __forceinline__ void copy_then_use(int mine, const Copy& copy, const Use& use) {
+#pragma unroll
+  for (int g = 0; g < kCopyGroups; ++g) {
+    for (int i = mine * g / kCopyGroups; i < mine * (g + 1) / kCopyGroups; ++i) copy(i);
+    cp_async_commit();
+  }
+#pragma unroll
+  for (int g = 0; g < kCopyGroups; ++g) {
+    if (g == 0) cp_async_wait_group<kCopyGroups - 1>();
+    if (g == 1) cp_async_wait_group<kCopyGroups - 2>();
+    if (g == 2) cp_async_wait_group<kCopyGroups - 3>();
+    if (g == 3) cp_async_wait_group<0>();
+    for (int i = mine * g / kCopyGroups; i < mine * (g + 1) / kCopyGroups; ++i) use(i);
+  }
+}
+
 // The N mask bits of the pack at flat pack index i (all in one word: 32 % N == 0).
 template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i) {
   const i64 e = i * N;
