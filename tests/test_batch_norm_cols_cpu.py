@@ -17,6 +17,12 @@ from .test_batch_norm_cpu import A100, H100, TWO_PASS, plan
 CSIZE = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
 
 
+def step_pack(dtype: str, pack: int, t=HOPPER) -> int:
+    """The kernel's pack for the data's ``pack``: 16-bit threads hold at most the tuning's
+    bn_one_read_cols_max_pack_16bit channels."""
+    return min(pack, t.bn_one_read_cols_max_pack_16bit) if ITEMSIZE[dtype] == 2 else pack
+
+
 def expected_tile(c: int, pack: int, dtype: str, t=HOPPER) -> int:
     """The fewest channel packs (a power of two dividing C / PACK, at most 32) whose row part
     reaches the tuning's bn_one_read_cols_row_bytes."""
@@ -36,8 +42,9 @@ def expected_tile(c: int, pack: int, dtype: str, t=HOPPER) -> int:
     ((4096, 4096), "float32", False, 3),         # any cluster size up to the maximum
     ((16384, 1024), "float32", False, None),     # 16 blocks a tile: past the cluster limit
     ((8, 16, 4, 4), "float32", False, 1),        # one tile of 4 packs
-    ((8, 16, 4, 4), "float16", False, 1),        # C / PACK = 2: 32-byte rows
-    ((4, 24, 3, 5), "float16", False, 1),        # C / PACK = 3: one-pack tiles
+    ((8, 16, 4, 4), "float16", False, 1),        # 4-channel packs: 4 a tile
+    ((4, 24, 3, 5), "float16", False, 1),        # C / 4 = 6: tiles of 2 packs
+    ((4, 20, 3, 5), "float16", False, 1),        # C / 4 = 5: one-pack tiles
     ((64, 64, 112, 112), "float32", False, None),
     ((8, 6, 5, 5), "float16", False, None),      # 4-byte packs: the two passes
     ((8, 16, 5, 5), "float32", True, None),      # the addend: the two passes (the tuning)
@@ -52,21 +59,22 @@ def test_columns_step(shape, dtype, addend, cluster):
     (step,) = p.steps
     a, c, _ = p.view
     item = ITEMSIZE[dtype]
-    tx = expected_tile(c, p.pack, dtype)
-    assert step.kind == "train_cols" and step.targs == (dtype, p.pack, addend)
-    assert step.cluster == cluster and step.grid == (cluster, c // p.pack // tx)
+    pack = step_pack(dtype, p.pack)
+    tx = expected_tile(c, pack, dtype)
+    assert step.kind == "train_cols" and step.targs == (dtype, pack, addend)
+    assert step.cluster == cluster and step.grid == (cluster, c // pack // tx)
     threads = step.block[0] * step.block[1]
     assert step.block[0] == tx and threads % 32 == 0 and 64 <= threads <= 512
     rows = -(-a // cluster)
-    tile = rows * tx * p.pack * item * (2 if addend else 1)
+    tile = rows * tx * pack * item * (2 if addend else 1)
     assert tile <= HOPPER.bn_one_read_max_bytes
     # the smallest cluster: one block fewer would hold more rows than the limit allows
     assert cluster == 1 or -(-a // (cluster - 1)) * (tile // rows) > \
         HOPPER.bn_one_read_max_bytes
-    scratch = -(-(3 * threads // 32 + 6) * tx * p.pack * CSIZE[dtype] // 128) * 128
+    scratch = -(-(3 * threads // 32 + 6) * tx * pack * CSIZE[dtype] // 128) * 128
     assert step.smem == tile + scratch <= H100.smem_per_block_optin
     assert step.kernel == f"cukern::batch_norm_train_cols<{cukern.plan.CPP_TYPES[dtype]}, " \
-                          f"{p.pack}, {'true' if addend else 'false'}>"
+                          f"{pack}, {'true' if addend else 'false'}>"
     text = str(p)
     assert "one read" in text and "train_cols" in text and "two-pass" not in text
     assert (f"cluster {cluster}" in text) == (cluster > 1)
@@ -85,7 +93,10 @@ def test_columns_step_limits():
     assert p.one_read and p.steps[0].cluster == 8
     rows32 = dataclasses.replace(HOPPER, bn_one_read_cols_row_bytes=32)
     assert plan("batch_norm", (64, 2048, 7, 7), "float16", "NHWC",
-                tuning=rows32).steps[0].block[0] == 2
+                tuning=rows32).steps[0].block[0] == 4  # 8-byte packs of 4 channels
+    packs8 = dataclasses.replace(HOPPER, bn_one_read_cols_max_pack_16bit=8)
+    p = plan("batch_norm", (64, 2048, 7, 7), "bfloat16", "NHWC", tuning=packs8)
+    assert p.steps[0].targs == ("bfloat16", 8, False) and p.steps[0].block[0] == 4
     add = dataclasses.replace(HOPPER, bn_one_read_cols_addend=1)
     p = plan("batch_norm", (8, 16, 5, 5), "float32", "NHWC", addend=True, tuning=add)
     assert p.one_read and p.steps[0].targs == ("float32", 4, True)

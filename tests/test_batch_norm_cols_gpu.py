@@ -15,7 +15,7 @@ import pytest
 import cukern
 
 from .conftest import DTYPES, TOL, warm_family
-from .test_batch_norm_cols_cpu import expected_tile
+from .test_batch_norm_cols_cpu import expected_tile, step_pack
 from .test_batch_norm_gpu import (
     HAS_BN,
     MODES,
@@ -53,8 +53,8 @@ def channels_last(ndim: int):
 
 
 # (logical shape, the cluster of blocks a tile's rows are split over: 1 with the default
-# tuning, more where bn_one_read_max_bytes is set to hold ceil(rows / cluster) of them). Every
-# pack here is 16 bytes.
+# tuning, more where bn_one_read_max_bytes is set to hold ceil(rows / cluster) of them). The
+# data's packs are 16 bytes (the kernel's: 8 for 16-bit data, step_pack).
 SHAPES = [
     ((4, 32, 5, 7), 1),
     ((37, 64), 1),                  # (N, C)
@@ -74,9 +74,10 @@ def test_columns_one_read(shape, cluster, dtype, mode, rng):
     the columns kernel (its plan checked), then the backward from its outputs."""
     case = Case(shape, channels_last(len(shape)), dtype, mode, True, rng)
     a = math.prod(shape) // shape[1]
-    pack = 16 // np_dtype(dtype).itemsize
+    item = np_dtype(dtype).itemsize
+    pack = step_pack(dtype, 16 // item)
     tx = expected_tile(shape[1], pack, dtype)
-    row = tx * 16 * (2 if case.add else 1)
+    row = tx * pack * item * (2 if case.add else 1)
     changes = {"bn_one_read_cols_addend": 1} if case.add else {}  # the tuning has it off
     if cluster > 1:
         changes.update(bn_one_read_max_bytes=-(-a // cluster) * row,
@@ -85,7 +86,7 @@ def test_columns_one_read(shape, cluster, dtype, mode, rng):
         fwd = check_forward(case, rng)
         plan = last_plan()
     assert plan.one_read and plan.steps[0].kind == "train_cols", plan
-    assert plan.pack == pack and plan.steps[0].block[0] == tx, plan
+    assert plan.steps[0].targs[1] == pack and plan.steps[0].block[0] == tx, plan
     assert plan.steps[0].cluster == cluster, plan
     check_backward(case, fwd)
 
@@ -98,7 +99,9 @@ def test_columns_one_read_agrees_with_two_passes(cluster, dtype, rng):
     statistics to rounding, y to its tolerance, the mask bits wherever y is clear of 0."""
     shape = (16, 64, 14, 14)
     a = 16 * 14 * 14
-    row = expected_tile(64, 16 // np_dtype(dtype).itemsize, dtype) * 16
+    item = np_dtype(dtype).itemsize
+    pack = step_pack(dtype, 16 // item)
+    row = expected_tile(64, pack, dtype) * pack * item
     limit = -(-a // cluster) * row  # exactly `cluster` blocks a tile
     case = Case(shape, (0, 2, 3, 1), dtype, "relu", True, rng)
     runs = []
@@ -138,7 +141,9 @@ def test_columns_one_read_is_repeatable(dtype, rng):
     shape = (12, 64, 10, 10)
     case = Case(shape, (0, 2, 3, 1), dtype, "add_relu", True, rng)
     outs = []
-    row = 2 * 16 * expected_tile(64, 16 // np_dtype(dtype).itemsize, dtype)  # x and addend
+    item = np_dtype(dtype).itemsize
+    pack = step_pack(dtype, 16 // item)
+    row = 2 * pack * item * expected_tile(64, pack, dtype)  # x and the addend
     with tuned(bn_one_read_max_bytes=12 * 100 * row // 4 + 64, bn_one_read_cols_max_cluster=8,
                bn_one_read_cols_max_cluster_16bit=8, bn_one_read_cols_addend=1):
         for _ in range(2):

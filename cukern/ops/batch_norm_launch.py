@@ -73,7 +73,9 @@ class _Forward:
         self.apply_tail = cs((*_flat_args(plan), np.int32(relu)))
         self.one_read = steps[0] if plan.one_read else None
         if self.one_read is not None and self.one_read.kind == "train_cols":
-            self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch // plan.pack)))
+            # C / PACK in the step's packs (16-bit: bn_one_read_cols_max_pack_16bit)
+            self.one_read_tail = cs((np.int32(relu), np.int64(a_),
+                                     np.int32(ch // self.one_read.pack)))
         elif self.one_read is not None:
             packs = inner // plan.pack  # a plane's (B % PACK == 0)
             self.one_read_tail = cs((np.int32(relu), np.int64(a_), np.int32(ch),

@@ -54,6 +54,8 @@ def one_read_cols_step(view: ChannelView, dtype: str, pack: int, addend: bool,
     planes kernel; else None (the two passes)."""
     a, c, _ = view
     item = ITEMSIZE[dtype]
+    if item == 2:
+        pack = min(pack, tuning.bn_one_read_cols_max_pack_16bit)
     pb = pack * item
     if (not tuning.bn_one_read_max_bytes or pb < tuning.bn_min_pack_bytes
             or addend and (not tuning.bn_one_read_cols_addend

@@ -134,13 +134,15 @@ class Tuning:
     # tile of channel packs at least this many bytes wide over its rows, at most
     # bn_one_read_max_bytes of them, the rows split over a cluster of up to
     # bn_one_read_cols_max_cluster blocks (sm_90; one block elsewhere), _16bit for float16 and
-    # bfloat16. H100, % of copy (x once) against the two passes: float32 train (64, 2048, 7, 7)
-    # 48.7 -> 69.0, (64, 1024, 14, 14) 53.0 -> 60.0 (4 blocks), (4096, 4096) 53.0 -> 64.6;
-    # fp16 (64, 2048, 7, 7) 40.8 -> 46.8 (2 blocks), but 4-8 blocks 9-13 points slower
-    # (fp16 (64, 1024, 14, 14) 47.3 -> 35.1) and 32-byte rows 4-6 slower than 64
+    # bfloat16, whose threads hold at most _max_pack_16bit channels. H100, % of copy (x once)
+    # against the two passes: float32 train (64, 2048, 7, 7) 48.6 -> 70.0, (64, 1024, 14, 14)
+    # 52.9 -> 60.2 (8 blocks), (4096, 4096) 52.7 -> 64.8; fp16 (64, 2048, 7, 7) 40.6 -> 56.2
+    # (2 blocks, 4 channels a thread; 8: 51.1), but 4-8 blocks 9-11 points slower (fp16
+    # (64, 1024, 14, 14) 47.2 -> 37.5); 32-byte rows 4-6 points slower than 64
     bn_one_read_cols_row_bytes: int = 64
     bn_one_read_cols_max_cluster: int = 8
     bn_one_read_cols_max_cluster_16bit: int = 2
+    bn_one_read_cols_max_pack_16bit: int = 4
     # ... with an addend (1: allowed): add + ReLU ran 4-22 points slower in one read (fp16
     # (4096, 4096) 59.6 -> 41.5, float32 (64, 2048, 7, 7) 59.7 -> 54.8)
     bn_one_read_cols_addend: int = 0
