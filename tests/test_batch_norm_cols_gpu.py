@@ -75,10 +75,12 @@ def test_columns_one_read(shape, cluster, dtype, mode, rng):
     case = Case(shape, channels_last(len(shape)), dtype, mode, True, rng)
     a = math.prod(shape) // shape[1]
     item = np_dtype(dtype).itemsize
-    pack = step_pack(dtype, 16 // item)
+    # the addend (off in the tuning) with 16-byte packs (bn_one_read_min_pack_bytes_addend)
+    pack = 16 // item if case.add else step_pack(dtype, 16 // item)
     tx = expected_tile(shape[1], pack, dtype)
     row = tx * pack * item * (2 if case.add else 1)
-    changes = {"bn_one_read_cols_addend": 1} if case.add else {}  # the tuning has it off
+    changes = {"bn_one_read_cols_addend": 1,
+               "bn_one_read_cols_max_pack_16bit": 8} if case.add else {}
     if cluster > 1:
         changes.update(bn_one_read_max_bytes=-(-a // cluster) * row,
                        bn_one_read_cols_max_cluster=8, bn_one_read_cols_max_cluster_16bit=8)
@@ -142,10 +144,10 @@ def test_columns_one_read_is_repeatable(dtype, rng):
     case = Case(shape, (0, 2, 3, 1), dtype, "add_relu", True, rng)
     outs = []
     item = np_dtype(dtype).itemsize
-    pack = step_pack(dtype, 16 // item)
-    row = 2 * pack * item * expected_tile(64, pack, dtype)  # x and the addend
+    row = 2 * 16 * expected_tile(64, 16 // item, dtype)  # x and the addend, 16-byte packs
     with tuned(bn_one_read_max_bytes=12 * 100 * row // 4 + 64, bn_one_read_cols_max_cluster=8,
-               bn_one_read_cols_max_cluster_16bit=8, bn_one_read_cols_addend=1):
+               bn_one_read_cols_max_cluster_16bit=8, bn_one_read_cols_addend=1,
+               bn_one_read_cols_max_pack_16bit=8):
         for _ in range(2):
             rm, rv = cp.asarray(case.rm), cp.asarray(case.rv)
             got = cukern.batch_norm(case.xd, rm, rv, cp.asarray(case.w), cp.asarray(case.b),
