@@ -77,8 +77,9 @@ def col_sums_ways(plan: Plan, device: DeviceSpec, occupancy: Occupancy | None = 
 def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
          first_only: bool = False) -> list[Way]:
     """The ways, best first, as (plan without its grid, blocks per SM, two buffers).
-    ``first_only``: stop at the narrow way where there is one (no occupancy queries, so no
-    compiles, for ways the planner would not take).
+    ``first_only``: stop at the narrow way where there is one, or at the block kernel's best
+    where rule 1 keeps it (no occupancy queries, so no compiles, for ways the planner would
+    not take).
 
     Clusters are tried from the smallest size any way fits, up to two doublings past it, while
     each block keeps at least 128 packs. Of the ways that fit:
