@@ -24,6 +24,9 @@ GPU_REASON = _gpu_reason()
 
 
 def pytest_collection_modifyitems(config, items):
+    # the family compile checks (nvrtc_results) last: every other test runs while the pool
+    # compiles, and none waits behind a check whose programs are queued last
+    items.sort(key=lambda item: _family_check(item) is not None)
     if GPU_REASON is None:
         return
     skip = pytest.mark.skip(reason=f"GPU test: {GPU_REASON}")
@@ -254,8 +257,9 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
 # ``nvrtc(family)`` and parametrised by ``arch`` gets its programs (one a source and dtype,
 # split into near-equal parts of at most NVRTC_CHUNK names) submitted to one pool of processes
 # when collection ends,
-# the largest first: they compile while the tests before it run, and no core waits at the end
-# of one test for the last program of another. The test then waits for them (nvrtc_results).
+# the largest first: they compile while every other test runs (these run last), and no core
+# waits at the end of one test for the last program of another. The test then waits for them
+# (nvrtc_results).
 
 # the device model whose plans each compiles; sm_75 (Turing) compiles the pre-Ampere fallbacks
 NVRTC_ARCHS = {"sm_75": "t4", "sm_80": "a100", "sm_90": "h100"}
@@ -320,15 +324,19 @@ def pytest_configure(config):
                             "that calls NVRTC itself")
 
 
+def _family_check(item) -> tuple[str, str] | None:
+    """(family, arch) of a test marked ``nvrtc(family)``, else None (``nvrtc`` without a
+    family marks a test that compiles on its own)."""
+    mark = item.get_closest_marker("nvrtc")
+    if mark is None or not mark.args:
+        return None
+    return mark.args[0], item.callspec.params["arch"]
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    wanted = []
-    for item in session.items:
-        mark = item.get_closest_marker("nvrtc")
-        if mark is not None and mark.args:  # nvrtc without a family: a compile of its own
-            wanted.append((mark.args[0], item.callspec.params["arch"]))
-    _nvrtc_submit(wanted)
+    _nvrtc_submit([key for key in map(_family_check, session.items) if key is not None])
 
 
 def pytest_sessionfinish(session, exitstatus):

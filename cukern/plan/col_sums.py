@@ -77,8 +77,9 @@ def col_sums_ways(plan: Plan, device: DeviceSpec, occupancy: Occupancy | None = 
 def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
          first_only: bool = False) -> list[Way]:
     """The ways, best first, as (plan without its grid, blocks per SM, two buffers).
-    ``first_only``: stop at the narrow way where there is one (no occupancy queries, so no
-    compiles, for ways the planner would not take).
+    ``first_only``: stop at the narrow way where there is one, or at the block kernel's best
+    where rule 1 keeps it (no occupancy queries, so no compiles, for ways the planner would
+    not take).
 
     Clusters are tried from the smallest size any way fits, up to two doublings past it, while
     each block keeps at least 128 packs. Of the ways that fit:
@@ -107,12 +108,16 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
             return [narrow[:3]]
     sizes = (1,) + (tune.cluster_sizes if clusters_ok else ())
     blocks, clusters, first = [], [], None
+    # each candidate: this plan with its shape (replace skips a constructor's work)
+    proto = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=0, **no_warp,
+                 **base)
     for size in sizes:
         slice_packs = -(-packs // size)
         if (first is not None and size > 4 * first) or (size > 1 and slice_packs < 128):
             break
         values = slice_packs * pack
         rows_smem = item * pol.inputs * values
+        variant = Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER
         for threads, in_regs, two, gamma in itertools.product(
                 (128,) + tune.block_sizes, (False, True), (True, False), (False, True)):
             if threads > max(128, slice_packs) or \
@@ -123,13 +128,16 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
                 (csize * values if gamma else 0) + pol.smem_align
             if smem > limit:
                 continue
-            variant = Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER
-            plan = Plan(variant=variant, block=(threads, 1), grid=size, smem_bytes=smem,
-                        cluster=size, sums_in_registers=in_regs, gamma_in_smem=gamma,
-                        **no_warp, **base)
+            plan = replace(proto, variant=variant, block=(threads, 1), grid=size,
+                           smem_bytes=smem, cluster=size, sums_in_registers=in_regs,
+                           gamma_in_smem=gamma)
             per_sm = occ(plan)
             if per_sm > 0:
                 (blocks if size == 1 else clusters).append((plan, per_sm, two, slice_packs))
+        if first_only and size == 1 and blocks:  # rule 1 needs no cluster asked about
+            best = max(blocks, key=lambda w: _block_key(*w[1:], w[0]))
+            if _keeps_block(best, item):
+                return [best[:3]]
         if (blocks or clusters) and first is None:
             first = size
     if narrow is not None:  # first; and not again among the rest

@@ -149,9 +149,9 @@ def replace(plan, **changes):
     new = object.__new__(type(plan))
     fields = new.__dict__
     fields.update(plan.__dict__)
-    for name in changes:
-        if name not in fields:
-            raise TypeError(f"replace: {type(plan).__name__} has no field {name!r}")
+    if not changes.keys() <= fields.keys():
+        name = next(n for n in changes if n not in fields)
+        raise TypeError(f"replace: {type(plan).__name__} has no field {name!r}")
     fields.update(changes)
     return new
 

@@ -7,6 +7,7 @@ Each constant carries, in a line, what measured it; the measurements themselves 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -251,7 +252,11 @@ def tuning_for(device) -> Tuning:
     """The table of the newest architecture at or below the device's (Hopper's for None)."""
     if device is None:
         return HOPPER
-    cc = tuple(device.compute_capability)
+    return _table_for(tuple(device.compute_capability))
+
+
+@functools.cache  # the planner asks once a candidate plan
+def _table_for(cc: tuple[int, int]) -> Tuning:
     known = [k for k in _TABLES if k <= cc]
     return _TABLES[max(known)] if known else AMPERE
 

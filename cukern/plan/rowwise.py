@@ -11,6 +11,7 @@ backward that also sums over rows goes to ``col_sums.plan_col_sums``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from .._device import DeviceSpec
@@ -42,8 +43,11 @@ NO_WARP = dict(cols_per_thread=0, thread_group_width=0, rows_per_access=0, paddi
 
 
 def _policy(op) -> OpPolicy:
-    if isinstance(op, OpPolicy):
-        return op
+    return op if isinstance(op, OpPolicy) else _registered(op)
+
+
+@functools.cache  # the planner asks once a plan
+def _registered(op: str) -> OpPolicy:
     from ..registry import policy  # the families declare the policies
 
     return policy(op)
@@ -79,7 +83,8 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
                          f"(2^31 - 4096) are supported (the kernels' 32-bit column index)")
     sw = Switches() if switches is None else switches
     if not isinstance(sw, Switches) or \
-            replace(sw, float32_params=False) not in pol.switch_sets:
+            (replace(sw, float32_params=False) if sw.float32_params else sw) \
+            not in pol.switch_sets:
         raise ValueError(f"plan: {pol.op} takes switches from {[str(s) for s in pol.switch_sets]}"
                          f", got {sw}")
     if sw.float32_params:
@@ -150,14 +155,15 @@ def _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune: Tunin
     resident = device.sms * (device.max_threads_per_sm // tune.warp_block_threads)
     if rpa == 2 and -(-rows // block[1]) <= tune.short_grid_waves * resident:
         rpa = 1  # a short grid: each thread's chain of loads, shuffles and stores is the time
-    plan = Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
-                rows_per_access=rpa, padding=padding, block=block, grid=1, smem_bytes=0, **base)
     groups = -(-rows // rpa)
     needed = -(-groups // block[1])
+    # every group of rows its own block, no cap of waves (100.2 vs 99.7% of copy, H100)
+    plan = Plan(variant=Variant.WARP, cols_per_thread=cpt, thread_group_width=width,
+                rows_per_access=rpa, padding=padding, block=block,
+                grid=1 if sums else min(needed, tune.max_grid), smem_bytes=0, **base)
     if sums:  # one wave of resident blocks, each writing a partial row of the sums
         return replace(plan, grid=max(1, min(needed, device.sms * max(1, occ(plan)))))
-    # every group of rows its own block, no cap of waves (100.2 vs 99.7% of copy, H100)
-    return replace(plan, grid=min(needed, tune.max_grid))
+    return plan
 
 
 def plan_overlap(plan: Plan, per_sm: int, widest: int, device: DeviceSpec, occ: Occupancy,
