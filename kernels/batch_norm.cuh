@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(256)
 // shared memory: x crosses HBM once and the launch is the whole call. Each thread reads back
 // only the packs it copied (summing them group by group as they land, bn::copy_then_use, was
 // within 2 points either way here). mask (or null, zeroed by the host): bn::or_mask_bits, a
-// plane's end words being shared with the neighbouring channels' blocks. Dynamic shared memory: A W packs (2 A W with ADD); the
-// planner takes this kernel only where that fits.
+// plane's end words being shared with the neighbouring channels' blocks. Dynamic shared
+// memory: A W packs (2 A W with ADD); the planner takes this kernel only where that fits.
 template <typename T, int PACK, bool ADD>
 __global__ void __launch_bounds__(kBnOneReadThreads)
     batch_norm_train_planes(const T* __restrict__ x, const T* __restrict__ addend,
@@ -411,8 +411,9 @@ __global__ void __launch_bounds__(kBnOneReadThreads, 2)  // two blocks of 100 KB
   for (int j = t; j < nch; j += TX * TY) {  // the block's state of channel j, warps in order
     bn::Stats<C> st = bn::Stats<C>::identity();
     for (int w = 0; w < nwarps; ++w)
-      st = bn::Stats<C>::merge(st, bn::Stats<C>{wst[(w * 3) * nch + j], wst[(w * 3 + 1) * nch + j],
-                                                wst[(w * 3 + 2) * nch + j]});
+      st = bn::Stats<C>::merge(
+          st, bn::Stats<C>{wst[(w * 3) * nch + j], wst[(w * 3 + 1) * nch + j],
+                           wst[(w * 3 + 2) * nch + j]});
     blk[j] = st.n;
     blk[nch + j] = st.mean;
     blk[2 * nch + j] = st.m2;

@@ -201,8 +201,8 @@ template <typename W> __device__ __forceinline__ void pack_to_smem(W* dst, const
 }
 
 // A thread's `mine` packs copied to shared memory in kCopyGroups groups (copy(i) issues the
-// i-th's cp.async), each handed to use(i) once its group has landed: the one-read kernels sum
-// the first packs while the later ones are still in flight.
+// i-th's cp.async), each handed to use(i) once its group has landed: the columns one-read
+// kernel sums the first packs while the later ones are still in flight.
 constexpr int kCopyGroups = 4;
 template <typename Copy, typename Use>
 __device__ __forceinline__ void copy_then_use(int mine, const Copy& copy, const Use& use) {
