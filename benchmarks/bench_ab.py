@@ -9,7 +9,8 @@ within 1 point of % of copy.
 
 ``--ops`` and ``--min-cols`` time a subset (the results of the other shapes are kept from the
 last run, as for ``--family``). ``--col-offset N`` times rows of N columns more than the sweep's
-(-1: odd rows, packs of one element), as benchmark ``ab_cols<N>`` (its own results).
+(-1: odd rows, packs of one element); their rows join the same results (each row names its
+base tree), drawn dashed.
 
 DIR holds the base tree's ``cukern/`` and ``kernels/`` (e.g. ``git archive REV | tar -x -C
 DIR``). Writes ab_<device>.json and .png and prints the table.
@@ -210,9 +211,12 @@ def plot(rows, path: str, title: str) -> None:
     fig, axes = plt.subplots(len(labels), 1, figsize=(9, 2.2 * len(labels)), sharex=True)
     for ax, label in zip(np.atleast_1d(axes), labels):
         for dtype, color in zip(DTYPES, ("C0", "C1", "C2")):
-            rs = [r for r in rows if r["op"] == label and r["dtype"] == dtype]
-            ax.plot([r["cols"] for r in rs], [r["delta"] for r in rs], "o-", color=color,
-                    label=dtype, ms=3)
+            for offset in sorted({r.get("col_offset", 0) for r in rows}):
+                rs = [r for r in rows if r["op"] == label and r["dtype"] == dtype
+                      and r.get("col_offset", 0) == offset]
+                ax.plot([r["cols"] for r in rs], [r["delta"] for r in rs],
+                        "o-" if offset == 0 else "s--", color=color, ms=3,
+                        label=dtype if offset == 0 else f"{dtype}, cols {offset:+d}")
         ax.axhline(0, color="k", lw=0.5)
         ax.axhspan(-1, 1, color="0.9")
         ax.set_xscale("log", base=2)
@@ -257,8 +261,9 @@ def main() -> None:
     from _results import Run  # benchmarks/_results.py
 
     base_name = args.base_name or args.base
-    name = f"ab_cols{args.col_offset:+d}" if args.col_offset else "ab"
-    result = Run(args.out, name, device, quick=args.quick)
+    for r in rows:  # rows of other runs, kept below, may have another base
+        r.update(base=base_name, col_offset=args.col_offset)
+    result = Run(args.out, "ab", device, quick=args.quick)
     payload = result.merge_previous(  # the shapes this run did not time are kept
         {"base": base_name, "results": rows}, key=lambda r: (r["op"], r["dtype"], r["cols"]))
     result.save(payload)
