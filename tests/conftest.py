@@ -75,7 +75,7 @@ def warm_family(family: str) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
         _warmed[family] = _compile.warm_cache(names, spec.device_id,
-                                              processes=min(8, os.cpu_count() or 1))
+                                              processes=os.cpu_count() or 1)
     errors = _warmed[family]
     assert not errors, f"{len(errors)} {family} kernels failed to compile: {errors[:3]}"
 
