@@ -6,7 +6,6 @@ every instantiation of a family with NVRTC, in the background from the end of co
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import os
 
 import numpy as np
@@ -95,16 +94,6 @@ def warm_kernels():
     """Every family (the CLI's selftest and precompile touch them all)."""
     warm_family("softmax")
     warm_family("norm")
-
-
-def one_wave_clusters(passes: int, resident: int) -> int:
-    """Clusters of a one-wave cluster grid over ``passes`` row passes with ``resident`` clusters
-    resident: every pass its own cluster where they fit, else the fewest clusters that need no
-    more turns than ``resident`` clusters would (so the last turn is nearly full)."""
-    if passes <= resident:
-        return passes
-    turns = math.ceil(passes / resident)
-    return min(c for c in range(1, resident + 1) if c * turns >= passes)
 
 
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):

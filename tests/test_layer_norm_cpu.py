@@ -18,7 +18,7 @@ from cukern.ops import layer_norm as ln
 from cukern.plan import HOPPER, Switches, Variant, plan_rowwise, replace
 from cukern.registry import policy
 
-from .conftest import NVRTC_ARCHS, col_sums_expected, nvrtc_results, one_wave_clusters
+from .conftest import NVRTC_ARCHS, col_sums_expected, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -525,11 +525,10 @@ def test_residual_blocks_overlap_their_rows(op):
     # without a residual: OneFlow's waves of clusters, but one wave of layer norm's clusters of
     # two rows a pass (test_paired_rows)
     assert d.rows_per_pass == (2 if op == "layer_norm" else 1)
-    resident = 132 * per_sm // d.cluster
-    assert per_sm > 1 and d.grid == (one_wave_clusters(512, resident) if d.rows_per_pass == 2
-                                     else min(1024, resident * 32)) * d.cluster
-    assert c.rows_per_pass == 1
-    assert c.grid == one_wave_clusters(1024, 132 * per_sm // c.cluster) * c.cluster
+    waves = 1 if d.rows_per_pass == 2 else 32
+    assert per_sm > 1 and d.grid == min(1024 // d.rows_per_pass,
+                                        132 * per_sm // d.cluster * waves) * d.cluster
+    assert c.rows_per_pass == 1 and c.grid == 132 * per_sm // c.cluster * c.cluster
 
 
 def test_paired_rows():
@@ -558,7 +557,7 @@ def test_paired_rows():
                 q = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=Switches())
                 assert q.rows_per_pass == 1 and q.cluster * 2 == p.cluster, q
                 # one wave: 501 passes over the resident clusters
-                assert p.grid == one_wave_clusters(501, 132 * per_sm // p.cluster) * p.cluster
+                assert p.grid == min(501, 132 * per_sm // p.cluster) * p.cluster
                 assert one.name_expression().endswith(", 3, 1>")
                 assert p.name_expression().endswith(", 3, 2>")
                 assert "rows_per_pass      2" in str(p) and "2 rows a pass" in str(p)

@@ -241,9 +241,8 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
     size = plan.cluster
     resident = resident_clusters(plan, per_sm, device, occ)
     one_wave = rows_per_pass > 1 or 0 < pol.one_wave_cluster <= size
-    passes = -(-rows // rows_per_pass)
     if pol.rows_overlap or overlap or per_sm == 1 or one_wave:
-        clusters, grid_note = balanced_clusters(passes, resident)
+        clusters, grid_note = resident, f"one wave of {resident} clusters"
     else:
         clusters, grid_note = resident * tune.waves, f"up to {tune.waves} waves of {resident} " \
                                                      f"clusters"
@@ -251,22 +250,8 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
              f"memory each, {per_sm} resident per SM; {grid_note}",)
     if rows_per_pass > 1:
         notes += (f"{rows_per_pass} rows a pass, each block's gamma and beta read once for them",)
+    passes = -(-rows // rows_per_pass)
     return replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
-
-
-def balanced_clusters(passes: int, resident: int) -> tuple[int, str]:
-    """One wave of clusters looping over ``passes`` row passes: the fewest clusters (at most
-    ``resident``) that take as many turns as ``resident`` would, so the last turn is nearly
-    full (1024 rows on 92 clusters: 12 turns, the last with 12 rows on 92 clusters; on 86, 80),
-    and the grid's note."""
-    if passes <= resident:
-        return resident, f"one wave of {resident} clusters"
-    turns = -(-passes // resident)
-    clusters = -(-passes // turns)
-    if clusters == resident:
-        return resident, f"one wave of {resident} clusters, {turns} passes each at most"
-    return clusters, (f"one wave of {clusters} of {resident} resident clusters, {turns} passes "
-                      f"each at most (the last turn nearly full)")
 
 
 def _check_float32_params(pol: OpPolicy, sw: Switches, dtype: str, strided: bool) -> None:
