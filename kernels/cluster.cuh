@@ -196,11 +196,17 @@ __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool l
 // All-reduce over a whole cluster: the block's state (allreduce_block), then merge_cluster (its
 // `meanwhile` and `last` as there), each call with its buffer picked by `phase` (as in
 // allreduce_block). Every thread of every block must call it, with the same `phase`.
-template <int CLUSTER, typename S, typename F>
+// TAIL: the block's partials in tail_scratch (reduce.cuh), not in static shared memory.
+template <int CLUSTER, bool TAIL = false, typename S, typename F>
 __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  return merge_cluster<CLUSTER>(allreduce_block(v, phase), n, b, last, meanwhile);
+  if constexpr (TAIL) {
+    return merge_cluster<CLUSTER>(allreduce_block_at(v, phase, tail_scratch<S>()), n, b, last,
+                                  meanwhile);
+  } else {
+    return merge_cluster<CLUSTER>(allreduce_block(v, phase), n, b, last, meanwhile);
+  }
 }
 
 // The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
@@ -265,14 +271,15 @@ template <> struct ClusterSize<0> {
 };
 
 // BlockReduce's interface (reduce.cuh) over a cluster of n blocks (ClusterSize): operator() is
-// allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
-template <int CLUSTER> struct ClusterReduce : ClusterSize<CLUSTER> {
+// allreduce_cluster (TAIL: its partials in tail_scratch), blocks() merge_cluster, finish() the
+// cluster wait that a `last` call owes.
+template <int CLUSTER, bool TAIL = false> struct ClusterReduce : ClusterSize<CLUSTER> {
   using ClusterSize<CLUSTER>::n;
   static constexpr bool kCluster = true;
   unsigned phase = 0, block_phase = 0;
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<CLUSTER>(v, n, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER, TAIL>(v, n, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});

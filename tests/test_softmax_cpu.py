@@ -151,24 +151,29 @@ def test_block_size_follows_occupancy_rule():
 def test_cluster_rule():
     """_plan_cluster: the smallest cluster whose blocks of 256 (or 512) threads share an SM
     two or more at a time with at least the op's resident threads; else the smallest cluster
-    that fits, widest block; one wave of clusters for softmax, OneFlow's waves for the norms."""
+    that fits, widest block; one wave of clusters for softmax, OneFlow's waves for the norms.
+    A softmax block's dynamic shared memory ends with its all-reduce's two buffers: a warp's
+    (max, sum) forward, its sum backward, in float32 (tail_scratch)."""
     for op in FWD + BWD:
         inputs = registry.policy(op).inputs
+
+        def scratch(threads):  # 2 buffers x warps x state words x 4 bytes
+            return 2 * (threads // 32) * (3 - inputs) * 4
         # 64 KiB slices: 3 blocks of 256 threads per SM (the device model counts no registers)
         cols = 4 * 32768 // inputs
         p = plan_rowwise(op, 2**27 // cols, cols, "float16", H100)
         assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
-            (Variant.CLUSTER, 4, (256, 1), 65536), p
+            (Variant.CLUSTER, 4, (256, 1), 65536 + scratch(256)), p
         assert p.grid == 132 * 3 // 4 * 4  # one wave of clusters, each looping over rows
         # 1 MiB of cached rows: 16 blocks (past the portable 8) of 64 KiB, 3 per SM
         cols = 262144 // inputs
         p = plan_rowwise(op, 512, cols, "float32", H100)
-        assert (p.cluster, p.block, p.smem_bytes) == (16, (256, 1), 65536), p
+        assert (p.cluster, p.block, p.smem_bytes) == (16, (256, 1), 65536 + scratch(256)), p
         assert p.grid == 132 * 3 // 16 * 16
         # 2 MiB: 16 blocks of 128 KiB, one per SM, of 1024 threads
         cols = 2 * 262144 // inputs
         p = plan_rowwise(op, 256, cols, "float32", H100)
-        assert (p.cluster, p.block, p.smem_bytes) == (16, (1024, 1), 131072), p
+        assert (p.cluster, p.block, p.smem_bytes) == (16, (1024, 1), 131072 + scratch(1024)), p
         assert p.grid == 132 // 16 * 16
     p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100)
     # 1536 threads an SM; 128 bytes more align the cached slice (OpPolicy.smem_align)
@@ -197,7 +202,7 @@ def test_refused_cluster_size_falls_back():
 
     p = plan_rowwise("softmax", 128, 262144, "float32", H100, portable_only)  # 1 MiB row
     assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
-        (Variant.CLUSTER, 8, (1024, 1), 131072), p
+        (Variant.CLUSTER, 8, (1024, 1), 131072 + 2 * 32 * 2 * 4), p  # and tail_scratch
     p = plan_rowwise("softmax_backward", 128, 262144, "float32", H100, portable_only)  # 2 MiB
     assert p.variant is Variant.BLOCK_UNCACHED, p
     assert plan_rowwise("softmax_backward", 128, 262144, "float32", H100).cluster == 16
@@ -206,7 +211,7 @@ def test_refused_cluster_size_falls_back():
 def test_cluster_sizes_and_uncached_fallback():
     p = plan_rowwise("softmax", 128, 262144, "float32", H100)  # 1 MiB row
     assert p.variant is Variant.CLUSTER and p.cluster == 16
-    assert p.smem_bytes == 262144 * 4 // 16
+    assert p.smem_bytes == 262144 * 4 // 16 + 2 * (p.threads // 32) * 2 * 4
     assert p.grid % p.cluster == 0
     p = plan_rowwise("softmax", 8, 10**6, "float32", H100)  # 4 MB row: no cluster holds it
     assert p.variant is Variant.BLOCK_UNCACHED

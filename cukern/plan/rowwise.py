@@ -222,10 +222,11 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
             fits.append((size, smem))
 
     def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
+        smem += tail_scratch(pol, base["dtype"], threads)
         plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
                     cluster=size, overlap=overlap, rows_per_pass=rows_per_pass, **NO_WARP,
                     **base)
-        return plan, occ(plan)
+        return plan, occ(plan) if smem <= max_dynamic_smem(device) else 0
 
     shared = (cluster(s, m, t) for s, m in fits for t in tune.cluster_shared)
     choice = next(((p, n) for p, n in shared
@@ -252,6 +253,15 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
         notes += (f"{rows_per_pass} rows a pass, each block's gamma and beta read once for them",)
     passes = -(-rows // rows_per_pass)
     return replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
+
+
+def tail_scratch(pol: OpPolicy, dtype: str, threads: int) -> int:
+    """Bytes of a cluster block's all-reduce buffers at the end of its dynamic shared memory
+    (OpPolicy.tail_scratch_words): two states a warp, in 16-byte units. Static ones would push
+    three blocks of 64 KiB past the 196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB
+    of L1 for its loads in flight instead of 60 (docs/notes/softmax.md)."""
+    word = 8 if dtype == "float64" else 4
+    return -(-2 * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
 
 
 def _check_float32_params(pol: OpPolicy, sw: Switches, dtype: str, strided: bool) -> None:
