@@ -85,10 +85,15 @@ def smem_edge(op, dtype):
 
 
 def variant_shapes(op, dtype):
-    """(shape, expected variant) on this device: every regime and its edges."""
+    """(shape, expected variant) on this device: every regime and its edges. A cluster's widest
+    blocks (1024 threads) keep their all-reduce's two buffers of a state a warp (max and sum
+    forward, a sum backward) beside their slice."""
     edge = smem_edge(op, dtype)
     wide = 16 // ITEM[dtype]
-    cluster_cap = CLUSTER_SIZES[-1] * edge
+    words = 3 - policy(op).inputs
+    scratch = 2 * 32 * words * (8 if dtype == "float64" else 4)
+    slice_edge = (max_dynamic_smem(spec()) - scratch) // (ITEM[dtype] * policy(op).inputs)
+    cluster_cap = CLUSTER_SIZES[-1] * edge  # past it no slice fits, with or without buffers
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
               ((5, 64), Variant.WARP), ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
@@ -99,7 +104,7 @@ def variant_shapes(op, dtype):
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, (3 * edge) // wide * wide), Variant.CLUSTER),
                    ((2, 8 * (edge // wide) * wide), Variant.CLUSTER),
-                   ((2, CLUSTER_SIZES[-1] * (edge // wide) * wide), Variant.CLUSTER)]
+                   ((2, CLUSTER_SIZES[-1] * (slice_edge // wide) * wide), Variant.CLUSTER)]
     shapes += [((2, cluster_cap + wide * 64), Variant.BLOCK_UNCACHED)]
     return shapes
 
