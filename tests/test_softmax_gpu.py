@@ -432,8 +432,11 @@ def pinned_plans(op, dtype, rows, cols):
     if dev.has_clusters:
         for size, threads in itertools.product(CLUSTER_SIZES, (128, 1024)):
             per = -(-(cols // pack) // size)
+            cache = -(-per * pack * ITEM[dtype] * inputs // 16) * 16
+            # the all-reduce's buffers after the slice: two states a warp
+            scratch = 2 * (threads // 32) * (3 - inputs) * (8 if dtype == "float64" else 4)
             plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
-                                 block=(threads, 1), smem_bytes=per * pack * ITEM[dtype] * inputs))
+                                 block=(threads, 1), smem_bytes=cache + scratch))
     return plans
 
 

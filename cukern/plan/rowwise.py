@@ -222,7 +222,9 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
             fits.append((size, smem))
 
     def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
-        smem += tail_scratch(pol, base["dtype"], threads)
+        scratch = tail_scratch(pol, base["dtype"], threads)
+        if scratch:  # after the slice, on a 16-byte boundary (slices of odd rows end anywhere)
+            smem = -(-smem // 16) * 16 + scratch
         plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
                     cluster=size, overlap=overlap, rows_per_pass=rows_per_pass, **NO_WARP,
                     **base)
@@ -257,7 +259,8 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
 
 def tail_scratch(pol: OpPolicy, dtype: str, threads: int) -> int:
     """Bytes of a cluster block's all-reduce buffers at the end of its dynamic shared memory
-    (OpPolicy.tail_scratch_words): two states a warp, in 16-byte units. Static ones would push
+    (OpPolicy.tail_scratch_words): two states a warp, in 16-byte units, from the 16-byte
+    boundary after the slice (kernels/reduce.cuh finds them from the end). Static ones would push
     three blocks of 64 KiB past the 196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB
     of L1 for its loads in flight instead of 60 (docs/notes/softmax.md)."""
     word = 8 if dtype == "float64" else 4
