@@ -214,4 +214,16 @@ template <typename T> __device__ __forceinline__ T* aligned_dynamic_smem() {
                               (kSmemAlign - at % kSmemAlign) % kSmemAlign);
 }
 
+// Two states a warp of this block at the end of the dynamic shared memory, where the planner adds
+// them (OpPolicy.tail_scratch_words): allreduce_block_at's buffers (reduce.cuh). Static shared
+// memory counts in whole 128-byte units beside the dynamic, so 64 static states can cost a block
+// its share of a smaller carveout, and the SM the L1 that holds its loads in flight
+// (docs/notes/softmax.md, "The carveout").
+template <typename S> __device__ __forceinline__ S* tail_scratch() {
+  extern __shared__ uint4 smem_words[];
+  const unsigned nwarps = (blockDim.x * blockDim.y + 31) / 32;
+  return reinterpret_cast<S*>(reinterpret_cast<char*>(smem_words) + dynamic_smem_bytes() -
+                              2 * nwarps * sizeof(S));
+}
+
 }  // namespace cukern

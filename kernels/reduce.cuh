@@ -199,7 +199,8 @@ template <typename C> __device__ __forceinline__ MaxSum<C> allreduce_group(MaxSu
 // two buffers for the warps' partial states, so a call never overwrites partials that threads
 // may still be reading from the previous call (a thread reaching the call after that has passed
 // the barrier of the one between). Every warp reduces the partials itself: no broadcast.
-// allreduce_block_at takes the two buffers at `partial` (2 * warps states, e.g. tail_scratch).
+// allreduce_block_at takes the two buffers at `partial` (2 * warps states: memory.cuh's
+// tail_scratch).
 template <typename S>
 __device__ __forceinline__ S allreduce_block_at(S v, unsigned& phase, S* partial) {
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
@@ -215,19 +216,6 @@ __device__ __forceinline__ S allreduce_block_at(S v, unsigned& phase, S* partial
 template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned& phase) {
   __shared__ S partial[2 * 32];
   return allreduce_block_at(v, phase, partial);
-}
-
-// allreduce_block_at's buffers for this block's warps at the end of the dynamic shared memory,
-// where the planner adds them (OpPolicy.tail_scratch_words): static shared memory counts whole
-// 128-byte units beside the dynamic, so 64 static states can cost a block its share of a smaller
-// carveout, and the SM the L1 that holds its loads in flight (docs/notes/softmax.md).
-template <typename S> __device__ __forceinline__ S* tail_scratch() {
-  extern __shared__ uint4 smem_words[];
-  unsigned bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-  const unsigned nwarps = (blockDim.x * blockDim.y + 31) / 32;
-  return reinterpret_cast<S*>(reinterpret_cast<char*>(smem_words) + bytes -
-                              2 * nwarps * sizeof(S));
 }
 
 // A kernel's all-reduces over one block, behind the interface that ClusterReduce (cluster.cuh)
