@@ -96,6 +96,13 @@ def warm_kernels():
     warm_family("norm")
 
 
+def softmax_scratch(op: str, dtype: str, threads: int) -> int:
+    """Bytes a softmax cluster block's dynamic shared memory ends with: its block all-reduce's two
+    buffers of a state a warp, (max, sum) forward and one sum backward, in the compute type."""
+    words = 1 if op.endswith("backward") else 2
+    return 2 * (threads // 32) * words * (8 if dtype == "float64" else 4)
+
+
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     """(cluster size, threads, smem_bytes, sums_in_registers, gamma_in_smem) of a backward with
     column sums (dweight, dbias) over rows of ``cols`` (16-byte aligned), by the rules

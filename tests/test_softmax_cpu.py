@@ -16,7 +16,7 @@ from cukern._device import DeviceSpec
 from cukern.ops import softmax as softmax_ops
 from cukern.plan import HOPPER, Variant, plan_rowwise
 
-from .conftest import NVRTC_ARCHS, nvrtc_results
+from .conftest import NVRTC_ARCHS, nvrtc_results, softmax_scratch
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -157,8 +157,8 @@ def test_cluster_rule():
     for op in FWD + BWD:
         inputs = registry.policy(op).inputs
 
-        def scratch(threads):  # 2 buffers x warps x state words x 4 bytes
-            return 2 * (threads // 32) * (3 - inputs) * 4
+        def scratch(threads):
+            return softmax_scratch(op, "float32", threads)  # float16 data: float32 states too
         # 64 KiB slices: 3 blocks of 256 threads per SM (the device model counts no registers)
         cols = 4 * 32768 // inputs
         p = plan_rowwise(op, 2**27 // cols, cols, "float16", H100)
@@ -202,7 +202,7 @@ def test_refused_cluster_size_falls_back():
 
     p = plan_rowwise("softmax", 128, 262144, "float32", H100, portable_only)  # 1 MiB row
     assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
-        (Variant.CLUSTER, 8, (1024, 1), 131072 + 2 * 32 * 2 * 4), p  # and tail_scratch
+        (Variant.CLUSTER, 8, (1024, 1), 131072 + softmax_scratch("softmax", "float32", 1024)), p
     p = plan_rowwise("softmax_backward", 128, 262144, "float32", H100, portable_only)  # 2 MiB
     assert p.variant is Variant.BLOCK_UNCACHED, p
     assert plan_rowwise("softmax_backward", 128, 262144, "float32", H100).cluster == 16
@@ -211,7 +211,7 @@ def test_refused_cluster_size_falls_back():
 def test_cluster_sizes_and_uncached_fallback():
     p = plan_rowwise("softmax", 128, 262144, "float32", H100)  # 1 MiB row
     assert p.variant is Variant.CLUSTER and p.cluster == 16
-    assert p.smem_bytes == 262144 * 4 // 16 + 2 * (p.threads // 32) * 2 * 4
+    assert p.smem_bytes == 262144 * 4 // 16 + softmax_scratch("softmax", "float32", p.threads)
     assert p.grid % p.cluster == 0
     p = plan_rowwise("softmax", 8, 10**6, "float32", H100)  # 4 MB row: no cluster holds it
     assert p.variant is Variant.BLOCK_UNCACHED

@@ -14,7 +14,7 @@ from cukern.ops import softmax as softmax_mod
 from cukern.plan import CLUSTER_SIZES, MAX_COLS, Variant, max_dynamic_smem
 from cukern.registry import policy
 
-from .conftest import DTYPES, TOL
+from .conftest import DTYPES, TOL, softmax_scratch
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_softmax")]
@@ -90,8 +90,7 @@ def variant_shapes(op, dtype):
     forward, a sum backward) beside their slice."""
     edge = smem_edge(op, dtype)
     wide = 16 // ITEM[dtype]
-    words = 3 - policy(op).inputs
-    scratch = 2 * 32 * words * (8 if dtype == "float64" else 4)
+    scratch = softmax_scratch(op, dtype, 1024)
     slice_edge = (max_dynamic_smem(spec()) - scratch) // (ITEM[dtype] * policy(op).inputs)
     cluster_cap = CLUSTER_SIZES[-1] * edge  # past it no slice fits, with or without buffers
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
@@ -433,10 +432,9 @@ def pinned_plans(op, dtype, rows, cols):
         for size, threads in itertools.product(CLUSTER_SIZES, (128, 1024)):
             per = -(-(cols // pack) // size)
             cache = -(-per * pack * ITEM[dtype] * inputs // 16) * 16
-            # the all-reduce's buffers after the slice: two states a warp
-            scratch = 2 * (threads // 32) * (3 - inputs) * (8 if dtype == "float64" else 4)
             plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
-                                 block=(threads, 1), smem_bytes=cache + scratch))
+                                 block=(threads, 1),
+                                 smem_bytes=cache + softmax_scratch(op, dtype, threads)))
     return plans
 
 
