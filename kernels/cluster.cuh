@@ -148,6 +148,17 @@ __device__ __forceinline__ S merge_ranks(const S* slot, unsigned lane) {
   return allreduce_group(ranks, N);
 }
 
+// allreduce_block with its buffers static (MERGE == 0), or in the tail before the merge's
+// slots (memory.cuh's tail_scratch).
+template <int MERGE, typename S>
+__device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
+  if constexpr (MERGE > 0) {
+    return allreduce_block_at(v, phase, tail_scratch<S, MERGE>());
+  } else {
+    return allreduce_block(v, phase);
+  }
+}
+
 // Merges the blocks' states over a whole cluster (sm_90), given each block's state (the same in
 // every thread of the block): warp 0 of each block merges them from distributed shared memory
 // in rank order (every block gets bit-identical results) and hands the result to its block.
@@ -160,15 +171,28 @@ __device__ __forceinline__ S merge_ranks(const S* slot, unsigned lane) {
 // every block) arrives once more after its reads and returns without waiting: the caller
 // must call cluster_wait() before the block exits, so that no block exits while another still
 // reads its state, and may store its results first. Every thread of every block must call it,
-// with `n` the cluster's size (CLUSTER, or cluster_size() where CLUSTER is 0).
-// Measurements: docs/notes/kernels.md, "Cluster reductions".
-template <int CLUSTER, typename S, typename F>
+// with `n` the cluster's size (CLUSTER, or cluster_size() where CLUSTER is 0). MERGE > 0: the
+// buffers are merge_tail's four slots of MERGE bytes (memory.cuh), at the same offsets for every
+// state type a kernel merges; else static. Measurements: docs/notes/kernels.md, "Cluster
+// reductions".
+template <int CLUSTER, int MERGE = 0, typename S, typename F>
 __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool last,
                                            const F& meanwhile) {
-  __shared__ S slot[2], result[2];
+  static_assert(MERGE == 0 || (sizeof(S) <= MERGE && MERGE % alignof(S) == 0),
+                "MERGE: bytes of the largest state a kernel merges");
+  S* slot;
+  S* result;
+  if constexpr (MERGE > 0) {
+    slot = reinterpret_cast<S*>(merge_tail<MERGE>() + b * MERGE);
+    result = reinterpret_cast<S*>(merge_tail<MERGE>() + (2 + b) * MERGE);
+  } else {
+    __shared__ S slots[2], results[2];
+    slot = &slots[b];
+    result = &results[b];
+  }
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
   const bool reader = tid < 32;  // warp 0
-  if (tid == 0) slot[b] = v;
+  if (tid == 0) *slot = v;
   cluster_arrive(reader);
   meanwhile();
   cluster_wait();  // every block's state is written
@@ -176,37 +200,33 @@ __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool l
     const unsigned lane = tid;
     S w;
     if constexpr (CLUSTER > 0) {
-      w = merge_ranks<CLUSTER>(&slot[b], lane);
+      w = merge_ranks<CLUSTER>(slot, lane);
     } else {  // the reduction's width at compile time: the planner's sizes (any other traps)
       switch (n) {
-        case 2: w = merge_ranks<2>(&slot[b], lane); break;
-        case 4: w = merge_ranks<4>(&slot[b], lane); break;
-        case 8: w = merge_ranks<8>(&slot[b], lane); break;
-        case 16: w = merge_ranks<16>(&slot[b], lane); break;
+        case 2: w = merge_ranks<2>(slot, lane); break;
+        case 4: w = merge_ranks<4>(slot, lane); break;
+        case 8: w = merge_ranks<8>(slot, lane); break;
+        case 16: w = merge_ranks<16>(slot, lane); break;
         default: __trap();
       }
     }
-    if (lane == 0) result[b] = w;
+    if (lane == 0) *result = w;
   }
   if (last) cluster_arrive(reader);  // this block's reads are done; cluster_wait() before exit
-  __syncthreads();  // result[b] written
-  return result[b];
+  __syncthreads();  // the result written
+  return *result;
 }
 
 // All-reduce over a whole cluster: the block's state (allreduce_block), then merge_cluster (its
 // `meanwhile` and `last` as there), each call with its buffer picked by `phase` (as in
 // allreduce_block). Every thread of every block must call it, with the same `phase`.
-// TAIL: the block's partials in tail_scratch (reduce.cuh), not in static shared memory.
-template <int CLUSTER, bool TAIL = false, typename S, typename F>
+// MERGE > 0: every buffer in the tail of the dynamic shared memory (memory.cuh), none static.
+template <int CLUSTER, int MERGE = 0, typename S, typename F>
 __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  if constexpr (TAIL) {
-    return merge_cluster<CLUSTER>(allreduce_block_at(v, phase, tail_scratch<S>()), n, b, last,
-                                  meanwhile);
-  } else {
-    return merge_cluster<CLUSTER>(allreduce_block(v, phase), n, b, last, meanwhile);
-  }
+  return merge_cluster<CLUSTER, MERGE>(allreduce_block_in<MERGE>(v, phase), n, b, last,
+                                       meanwhile);
 }
 
 // The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
@@ -271,25 +291,26 @@ template <> struct ClusterSize<0> {
 };
 
 // BlockReduce's interface (reduce.cuh) over a cluster of n blocks (ClusterSize): operator() is
-// allreduce_cluster (TAIL: its partials in tail_scratch), blocks() merge_cluster, finish() the
-// cluster wait that a `last` call owes.
-template <int CLUSTER, bool TAIL = false> struct ClusterReduce : ClusterSize<CLUSTER> {
+// allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
+// MERGE > 0: every buffer in the tail of the dynamic shared memory, the merge's slots of MERGE
+// bytes (the largest state the kernel merges; the planner's tail_scratch).
+template <int CLUSTER, int MERGE = 0> struct ClusterReduce : ClusterSize<CLUSTER> {
   using ClusterSize<CLUSTER>::n;
   static constexpr bool kCluster = true;
   unsigned phase = 0, block_phase = 0;
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<CLUSTER, TAIL>(v, n, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER, MERGE>(v, n, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
-    return allreduce_block(v, block_phase);
+    return allreduce_block_in<MERGE>(v, block_phase);
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {
-    return merge_cluster<CLUSTER>(v, n, phase++ & 1u, last, meanwhile);
+    return merge_cluster<CLUSTER, MERGE>(v, n, phase++ & 1u, last, meanwhile);
   }
   __device__ __forceinline__ void finish() { cluster_wait(); }
 };

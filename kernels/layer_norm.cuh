@@ -468,7 +468,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       if (PREFETCH && more) prefetch_quarter(next);
     };
     C m[R], rs[R];  // m: the mean of x - K
-    if (ALGO == kLayerNorm) {
+    if constexpr (ALGO == kLayerNorm) {
       // the block's exact mean, then the squared deviations from it: two all-reduces; a
       // cluster merges its blocks' (count, mean, M2) by Chan's formula
       const C n = C((p1 - p0) * PACK);
@@ -644,7 +644,10 @@ __device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS, T);
   constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
-  ClusterReduce<CLUSTER> reduce;
+  // every reduction buffer in the tail of the dynamic shared memory (memory.cuh): no static ones
+  constexpr int MERGE =
+      ALGO == kLayerNorm ? sizeof(Several<Welford<C>, ROWS>) : sizeof(Sums<C, ROWS>);
+  ClusterReduce<CLUSTER, MERGE> reduce;
   const int num_packs = cols / PACK, n = reduce.n;
   int p0, p1;
   cluster_pack_range(num_packs, n, rank, p0, p1);
@@ -652,7 +655,7 @@ __device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   const i64 cluster = CLUSTER > 0 ? blockIdx.x / CLUSTER : cluster_index();
   const i64 clusters = CLUSTER > 0 ? gridDim.x / CLUSTER : cluster_count();
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V, ROWS>(
-      aligned_dynamic_smem<T>(), slice, ld, st, x, sx, mean, rstd, eps, cluster * ROWS, rows,
+      dynamic_smem<T>(), slice, ld, st, x, sx, mean, rstd, eps, cluster * ROWS, rows,
       clusters * ROWS, cols, p0, p1, rank == 0, reduce);
 }
 

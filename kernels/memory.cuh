@@ -199,9 +199,10 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
 // buffers) ends, which ptxas aligns to 16 bytes only; asynchronous copies into a row cache off a
 // 128-byte boundary are slower (docs/notes/kernels.md, "Shared memory"). A plan that asks for
 // kSmemAlign bytes more (the planner's smem_align) may take it from its first kSmemAlign-byte
-// boundary (aligned_dynamic_smem: the norms' clusters, whose static buffers end anywhere); block
-// kernels whose only static buffers are allreduce_block's 64 states (a multiple of 256 bytes)
-// start on one already and take it as it is (dynamic_smem).
+// boundary (aligned_dynamic_smem: the norms' backward clusters, whose static buffers end
+// anywhere); block kernels whose only static buffers are allreduce_block's 64 states (a multiple
+// of 256 bytes) and cluster kernels with none (merge_tail) start on one already and take it as
+// it is (dynamic_smem).
 constexpr unsigned kSmemAlign = 128;
 template <typename T> __device__ __forceinline__ T* dynamic_smem() {
   extern __shared__ uint4 smem_words[];
@@ -214,16 +215,21 @@ template <typename T> __device__ __forceinline__ T* aligned_dynamic_smem() {
                               (kSmemAlign - at % kSmemAlign) % kSmemAlign);
 }
 
-// Two states a warp of this block at the end of the dynamic shared memory, where the planner adds
-// them (OpPolicy.tail_scratch_words): allreduce_block_at's buffers (reduce.cuh). Static shared
-// memory counts in whole 128-byte units beside the dynamic, so 64 static states can cost a block
-// its share of a smaller carveout, and the SM the L1 that holds its loads in flight
-// (docs/notes/softmax.md, "The carveout").
-template <typename S> __device__ __forceinline__ S* tail_scratch() {
+// A cluster block's reduction buffers at the end of the dynamic shared memory, where the planner
+// adds them (plan.rowwise.tail_scratch): the cluster merge's four slots of MERGE bytes last
+// (merge_tail), and before them the block all-reduce's two states a warp (tail_scratch,
+// allreduce_block_at's buffers, reduce.cuh). Static shared memory counts in whole 128-byte units
+// beside the dynamic and moves where the dynamic begins, so static buffers can cost three 64 KiB
+// blocks the 196 KiB carveout step, and the SM the L1 that holds its loads in flight
+// (docs/notes/softmax.md, "The carveout"); with none, a cached slice at the start is 128-byte
+// aligned for asynchronous copies.
+template <int MERGE> __device__ __forceinline__ char* merge_tail() {
   extern __shared__ uint4 smem_words[];
+  return reinterpret_cast<char*>(smem_words) + dynamic_smem_bytes() - 4 * MERGE;
+}
+template <typename S, int MERGE> __device__ __forceinline__ S* tail_scratch() {
   const unsigned nwarps = (blockDim.x * blockDim.y + 31) / 32;
-  return reinterpret_cast<S*>(reinterpret_cast<char*>(smem_words) + dynamic_smem_bytes() -
-                              2 * nwarps * sizeof(S));
+  return reinterpret_cast<S*>(merge_tail<MERGE>() - 2 * nwarps * sizeof(S));
 }
 
 }  // namespace cukern

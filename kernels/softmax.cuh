@@ -389,7 +389,8 @@ softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_A
   cluster_pack_range(cols / PACK, CLUSTER, cluster_rank(), p0, p1);
   softmax_cached<ALGO, PACK, CachedRegs<T, PACK, true>::kHold>(
       Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
-      blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1, ClusterReduce<CLUSTER, true>());
+      blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1,
+      ClusterReduce<CLUSTER, sizeof(MaxSum<C>)>());
 }
 #endif
 
@@ -685,7 +686,7 @@ softmax_grad_cluster(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inn
       Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
       Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x / CLUSTER,
       gridDim.x / CLUSTER, p0, p1, (num_packs + CLUSTER - 1) / CLUSTER,
-      ClusterReduce<CLUSTER, true>());
+      ClusterReduce<CLUSTER, sizeof(Sums<C, 1>)>());
 }
 #endif
 

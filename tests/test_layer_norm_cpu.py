@@ -18,7 +18,7 @@ from cukern.ops import layer_norm as ln
 from cukern.plan import HOPPER, Switches, Variant, plan_rowwise, replace
 from cukern.registry import policy
 
-from .conftest import NVRTC_ARCHS, col_sums_expected, nvrtc_results
+from .conftest import NVRTC_ARCHS, cluster_tail, col_sums_expected, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -223,12 +223,16 @@ def test_block_smem_boundary(op, dtype, weight):
     inside = plan_rowwise(op, 1000, edge, dtype, H100, switches=sw)
     assert inside.variant is Variant.BLOCK_SMEM
     align = policy(op).smem_align
-    assert align == 128  # the norms' kernels start their cached rows on 128-byte boundaries
+    # the backward's kernels start their cached rows on 128-byte boundaries with 128 bytes
+    # more; the forward's are aligned as they are (static buffers of 256-byte multiples in a
+    # block, none in a cluster, whose reduction buffers follow its slice)
+    assert align == (128 if op in BWD else 0)
     assert inside.smem_bytes == edge * smem_per_col(op, dtype, weight and op in BWD) + align
     above = plan_rowwise(op, 1000, edge + wide, dtype, H100, switches=sw)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
+    tail = 0 if op in BWD else cluster_tail(op, dtype, above.threads)
     assert above.smem_bytes == -(-(edge + wide) // wide // above.cluster) * wide * \
-        smem_per_col(op, dtype, weight and op in BWD) + align
+        smem_per_col(op, dtype, weight and op in BWD) + align + tail
     assert above.smem_bytes <= planner.max_dynamic_smem(H100)
     a_edge = smem_edge(op, dtype, weight, A100)
     assert plan_rowwise(op, 1000, a_edge, dtype, A100, switches=sw).variant is Variant.BLOCK_SMEM
@@ -242,7 +246,7 @@ def test_lone_blocks_go_to_clusters(op):
     # sharing SMs three at a time (rule 1 of _plan_cluster), OneFlow's waves of clusters
     p = plan_rowwise(op, 2048, 65536, "float16", H100)
     assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
-        (Variant.CLUSTER, 2, (512, 1), 32768 * 2 + 128), p
+        (Variant.CLUSTER, 2, (512, 1), 32768 * 2 + cluster_tail(op, "float32", 512)), p
     assert p.grid == min(2048, 132 * 3 // 2 * HOPPER.waves) * 2
     assert "alone on its SM" in p.notes[-1]
     assert plan_rowwise(op, 2048, 32768, "float32", H100).variant is Variant.CLUSTER
@@ -486,7 +490,7 @@ def test_forward_smem_ignores_weight():
     # the forward reads gamma/beta from global memory: only x (or x + residual) is cached
     a = plan_rowwise("layer_norm", 8, 5000, "float16", H100,
                      switches=Switches(weight=True, bias=True, residual=True))
-    assert a.smem_bytes == 5000 * 2 + 128  # and the bytes that align it
+    assert a.smem_bytes == 5000 * 2  # aligned after the block's 256-byte reduction buffers
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
@@ -544,7 +548,7 @@ def test_paired_rows():
     wb = Switches(weight=True, bias=True)
     for dt in ("float16", "bfloat16"):
         for sw in (wb, Switches(weight=True), Switches(bias=True)):
-            for cols in (lim, 153344):
+            for cols in (lim, 152896):
                 p = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=sw)
                 one = replace(p, rows_per_pass=1)
                 assert p.variant is Variant.CLUSTER and p.rows_per_pass == 2, p
@@ -553,7 +557,8 @@ def test_paired_rows():
                 assert per_sm == 3
                 # each block holds two slices of a cluster twice as wide as one row needs
                 slice_bytes = -(-cols // 8 // p.cluster) * 16
-                assert p.smem_bytes == 2 * slice_bytes + 128
+                assert p.smem_bytes == 2 * slice_bytes + cluster_tail("layer_norm", "float32",
+                                                                     512, rows_per_pass=2)
                 q = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=Switches())
                 assert q.rows_per_pass == 1 and q.cluster * 2 == p.cluster, q
                 # one wave: 501 passes over the resident clusters
@@ -561,13 +566,13 @@ def test_paired_rows():
                 assert one.name_expression().endswith(", 3, 1>")
                 assert p.name_expression().endswith(", 3, 2>")
                 assert "rows_per_pass      2" in str(p) and "2 rows a pass" in str(p)
-        # from 153352 columns two rows of 16-bit values need 16 blocks: one row a pass over 8
-        # blocks, in OneFlow's waves
-        for cols in (153352, 3 * lim // 2, 2 * lim):
+        # from 152904 columns two rows of 16-bit values need 16 blocks: one row a pass (over 4
+        # blocks up to 153344 columns, then 8), in OneFlow's waves
+        for cols, size in ((152904, 4), (153352, 8), (3 * lim // 2, 8), (2 * lim, 8)):
             p = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=wb)
             per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
-            assert (p.variant, p.cluster, p.rows_per_pass) == (Variant.CLUSTER, 8, 1), p
-            assert per_sm >= 3 and p.grid == min(1001, 132 * per_sm // 8 * 32) * 8, p
+            assert (p.variant, p.cluster, p.rows_per_pass) == (Variant.CLUSTER, size, 1), p
+            assert per_sm >= 3 and p.grid == min(1001, 132 * per_sm // size * 32) * size, p
             assert p.name_expression().endswith(", false, false, 3, 1>")
         # the rows it may not pair
         for op, rows, cols, ex in (("layer_norm", 1001, lim // 2, wb),

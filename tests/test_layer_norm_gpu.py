@@ -16,7 +16,7 @@ from cukern.ops import layer_norm as ln_mod
 from cukern.plan import CLUSTER_SIZES, MAX_COLS, Switches, Variant, max_dynamic_smem
 from cukern.registry import policy
 
-from .conftest import DTYPES, TOL, col_sums_expected
+from .conftest import DTYPES, TOL, cluster_tail, col_sums_expected
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_layer_norm")]
@@ -414,8 +414,13 @@ def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
     from dataclasses import replace
 
     threads = [0]
-    _force_cluster_plans(monkeypatch, lambda plan: replace(plan, block=(threads[0], 1),
-                                                           grid=2 * plan.cluster))
+
+    def widths(plan):  # the reduction buffers at the end of the shared memory are per warp
+        smem = plan.smem_bytes - cluster_tail(op, dtype, plan.threads, plan.rows_per_pass) + \
+            cluster_tail(op, dtype, threads[0], plan.rows_per_pass)
+        return replace(plan, block=(threads[0], 1), grid=2 * plan.cluster, smem_bytes=smem)
+
+    _force_cluster_plans(monkeypatch, widths)
     edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
     for cols in ((edge // wide + 1) * wide, 5 * (edge // wide) * wide + 3 * wide,
@@ -447,7 +452,8 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
         if plan.rows_per_pass == 1:  # twice the blocks, or else twice the slice
             size = min(2 * plan.cluster, max(CLUSTER_SIZES))
             slice_packs = -(-(plan.cols // plan.pack_size) // size)
-            smem = 2 * slice_packs * plan.pack_size * ITEM[dtype] + policy(op).smem_align
+            smem = -(-2 * slice_packs * plan.pack_size * ITEM[dtype] // 16) * 16 + \
+                cluster_tail(op, dtype, plan.threads, rows_per_pass=2)
             assert smem <= max_dynamic_smem(spec()), plan
             plan = replace(plan, cluster=size, rows_per_pass=2, smem_bytes=smem)
         passes = -(-plan.rows // 2)

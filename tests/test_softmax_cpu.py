@@ -16,7 +16,7 @@ from cukern._device import DeviceSpec
 from cukern.ops import softmax as softmax_ops
 from cukern.plan import HOPPER, Variant, plan_rowwise
 
-from .conftest import NVRTC_ARCHS, nvrtc_results, softmax_scratch
+from .conftest import NVRTC_ARCHS, cluster_tail, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -152,13 +152,14 @@ def test_cluster_rule():
     """_plan_cluster: the smallest cluster whose blocks of 256 (or 512) threads share an SM
     two or more at a time with at least the op's resident threads; else the smallest cluster
     that fits, widest block; one wave of clusters for softmax, OneFlow's waves for the norms.
-    A softmax block's dynamic shared memory ends with its all-reduce's two buffers: a warp's
-    (max, sum) forward, its sum backward, in float32 (tail_scratch)."""
+    A block's dynamic shared memory ends with its reduction buffers: the all-reduce's two a warp
+    and the cluster merge's four, of softmax's (max, sum) forward, its sum backward, in float32
+    (tail_scratch)."""
     for op in FWD + BWD:
         inputs = registry.policy(op).inputs
 
         def scratch(threads):
-            return softmax_scratch(op, "float32", threads)  # float16 data: float32 states too
+            return cluster_tail(op, "float32", threads)  # float16 data: float32 states too
         # 64 KiB slices: 3 blocks of 256 threads per SM (the device model counts no registers)
         cols = 4 * 32768 // inputs
         p = plan_rowwise(op, 2**27 // cols, cols, "float16", H100)
@@ -176,8 +177,9 @@ def test_cluster_rule():
         assert (p.cluster, p.block, p.smem_bytes) == (16, (1024, 1), 131072 + scratch(1024)), p
         assert p.grid == 132 // 16 * 16
     p = plan_rowwise("layer_norm", 1024, 131072, "float16", H100)
-    # 1536 threads an SM; 128 bytes more align the cached slice (OpPolicy.smem_align)
-    assert (p.cluster, p.block, p.smem_bytes) == (4, (512, 1), 65536 + 128), p
+    # 1536 threads an SM; the reduction buffers after the slice, none static (aligned slices)
+    assert (p.cluster, p.block, p.smem_bytes) == \
+        (4, (512, 1), 65536 + cluster_tail("layer_norm", "float32", 512)), p
     assert p.grid == min(1024, 132 * 3 // 4 * HOPPER.waves) * 4  # the norms: waves
 
     # the driver may fit fewer clusters than SMs x blocks per SM / cluster size (GPCs)
@@ -202,7 +204,7 @@ def test_refused_cluster_size_falls_back():
 
     p = plan_rowwise("softmax", 128, 262144, "float32", H100, portable_only)  # 1 MiB row
     assert (p.variant, p.cluster, p.block, p.smem_bytes) == \
-        (Variant.CLUSTER, 8, (1024, 1), 131072 + softmax_scratch("softmax", "float32", 1024)), p
+        (Variant.CLUSTER, 8, (1024, 1), 131072 + cluster_tail("softmax", "float32", 1024)), p
     p = plan_rowwise("softmax_backward", 128, 262144, "float32", H100, portable_only)  # 2 MiB
     assert p.variant is Variant.BLOCK_UNCACHED, p
     assert plan_rowwise("softmax_backward", 128, 262144, "float32", H100).cluster == 16
@@ -211,7 +213,7 @@ def test_refused_cluster_size_falls_back():
 def test_cluster_sizes_and_uncached_fallback():
     p = plan_rowwise("softmax", 128, 262144, "float32", H100)  # 1 MiB row
     assert p.variant is Variant.CLUSTER and p.cluster == 16
-    assert p.smem_bytes == 262144 * 4 // 16 + softmax_scratch("softmax", "float32", p.threads)
+    assert p.smem_bytes == 262144 * 4 // 16 + cluster_tail("softmax", "float32", p.threads)
     assert p.grid % p.cluster == 0
     p = plan_rowwise("softmax", 8, 10**6, "float32", H100)  # 4 MB row: no cluster holds it
     assert p.variant is Variant.BLOCK_UNCACHED

@@ -14,7 +14,7 @@ from cukern.ops import softmax as softmax_mod
 from cukern.plan import CLUSTER_SIZES, MAX_COLS, Variant, max_dynamic_smem
 from cukern.registry import policy
 
-from .conftest import DTYPES, TOL, softmax_scratch
+from .conftest import DTYPES, TOL, cluster_tail
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_softmax")]
@@ -90,7 +90,7 @@ def variant_shapes(op, dtype):
     forward, a sum backward) beside their slice."""
     edge = smem_edge(op, dtype)
     wide = 16 // ITEM[dtype]
-    scratch = softmax_scratch(op, dtype, 1024)
+    scratch = cluster_tail(op, dtype, 1024)
     slice_edge = (max_dynamic_smem(spec()) - scratch) // (ITEM[dtype] * policy(op).inputs)
     cluster_cap = CLUSTER_SIZES[-1] * edge  # past it no slice fits, with or without buffers
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
@@ -434,7 +434,7 @@ def pinned_plans(op, dtype, rows, cols):
             cache = -(-per * pack * ITEM[dtype] * inputs // 16) * 16
             plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
                                  block=(threads, 1),
-                                 smem_bytes=cache + softmax_scratch(op, dtype, threads)))
+                                 smem_bytes=cache + cluster_tail(op, dtype, threads)))
     return plans
 
 

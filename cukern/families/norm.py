@@ -105,20 +105,24 @@ def aux_kernels(op: str):
     return names
 
 
-_NORM = dict(strided=False, cluster_threads_per_sm=1536, rows_overlap=False, smem_align=128,
+_NORM = dict(strided=False, cluster_threads_per_sm=1536, rows_overlap=False,
              signature=name_expression, float32_params=True)
 _TF = (False, True)
+# forward: cached rows start aligned with no bytes added (block kernels' static buffers are
+# 256-byte multiples; clusters keep theirs in the tail: one sum a row of a pass, merged as
+# layer norm's (count, mean, M2) or RMS norm's sum)
 _FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
                 switches=("weight", "bias", "residual"), overlap_with_residual=True,
                 split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16,
-                cluster_at_launch_below=16)
-_BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2,
+                cluster_at_launch_below=16, tail_scratch_words=1)
+_BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2, smem_align=128,
                  switches=("weight",), switch_sets=(Switches(), Switches(weight=True)))
 
 POLICIES = {
-    "layer_norm": OpPolicy(op="layer_norm", algo=0, pair_rows=True, **_FORWARD, switch_sets=tuple(
+    "layer_norm": OpPolicy(op="layer_norm", algo=0, pair_rows=True, tail_merge_words=3,
+                           **_FORWARD, switch_sets=tuple(
         Switches(w, b, r) for w, b, r in itertools.product(_TF, _TF, _TF))),
-    "rms_norm": OpPolicy(op="rms_norm", algo=1, **_FORWARD, switch_sets=tuple(
+    "rms_norm": OpPolicy(op="rms_norm", algo=1, tail_merge_words=1, **_FORWARD, switch_sets=tuple(
         Switches(w, False, r) for w, r in itertools.product(_TF, _TF))),
     "layer_norm_backward": OpPolicy(op="layer_norm_backward", algo=0, col_sums=2, **_BACKWARD),
     "rms_norm_backward": OpPolicy(op="rms_norm_backward", algo=1, col_sums=1, **_BACKWARD),

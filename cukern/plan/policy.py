@@ -282,9 +282,11 @@ class OpPolicy:
     rows_overlap: bool = True
     # bytes a cached kernel adds to start its rows on a 128-byte boundary
     smem_align: int = 0
-    # cluster kernels keep their block all-reduce's two buffers (a state of this many compute-type
-    # words a warp) at the end of the dynamic shared memory (tail_scratch, kernels/reduce.cuh)
+    # cluster kernels keep their reduction buffers at the end of the dynamic shared memory
+    # (plan.rowwise.tail_scratch, kernels/memory.cuh): the block all-reduce's two states a warp
+    # and the cluster merge's four, of this many compute-type words for each row of a pass
     tail_scratch_words: int = 0
+    tail_merge_words: int = 0
     # with a residual, cached kernels may overlap their rows (Plan.overlap)
     overlap_with_residual: bool = False
     # a lone block on its SM moves to a cluster of blocks sharing SMs (Tuning.lone_block_resident)

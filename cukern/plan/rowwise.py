@@ -222,7 +222,7 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
             fits.append((size, smem))
 
     def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
-        scratch = tail_scratch(pol, base["dtype"], threads)
+        scratch = tail_scratch(pol, base["dtype"], threads, rows_per_pass)
         if scratch:  # after the slice, on a 16-byte boundary (slices of odd rows end anywhere)
             smem = -(-smem // 16) * 16 + scratch
         plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
@@ -257,14 +257,16 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
     return replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
 
 
-def tail_scratch(pol: OpPolicy, dtype: str, threads: int) -> int:
-    """Bytes of a cluster block's all-reduce buffers at the end of its dynamic shared memory
-    (OpPolicy.tail_scratch_words): two states a warp, in 16-byte units, from the 16-byte
-    boundary after the slice (kernels/reduce.cuh finds them from the end). Static ones would push
-    three blocks of 64 KiB past the 196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB
-    of L1 for its loads in flight instead of 60 (docs/notes/softmax.md)."""
-    word = 8 if dtype == "float64" else 4
-    return -(-2 * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
+def tail_scratch(pol: OpPolicy, dtype: str, threads: int, rows_per_pass: int = 1) -> int:
+    """Bytes of a cluster block's reduction buffers at the end of its dynamic shared memory
+    (kernels/memory.cuh, from the 16-byte boundary after the slice): the block all-reduce's two
+    states a warp (``tail_scratch_words`` a row of the pass) in 16-byte units, then the cluster
+    merge's four (``tail_merge_words``). Static ones would push three blocks of 64 KiB past the
+    196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB of L1 for its loads in flight
+    instead of 60 (docs/notes/softmax.md)."""
+    word = (8 if dtype == "float64" else 4) * rows_per_pass
+    partials = -(-2 * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
+    return partials + 4 * pol.tail_merge_words * word if pol.tail_scratch_words else 0
 
 
 def _check_float32_params(pol: OpPolicy, sw: Switches, dtype: str, strided: bool) -> None:
