@@ -577,7 +577,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS(T)) {
   CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, T);
-  BlockReduce reduce;
+  BlockReduce<> reduce;
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1>(
       dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
       cols / PACK, true, reduce);

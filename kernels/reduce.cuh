@@ -14,6 +14,7 @@
 // lanes of a butterfly step, and every warp reducing the same partials, end with bit-identical
 // results with no lane-dependent operand order (which would diverge the warp).
 #pragma once
+#include "memory.cuh"
 #include "types.cuh"
 
 namespace cukern {
@@ -225,19 +226,25 @@ template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned
 // in each call of operator() and blocks() (in a cluster, while its barrier is pending).
 // finish(): before the block exits, after the final call. (Functors, not generic lambdas: NVRTC
 // compiles a generic lambda's call operator as host code when many kernels share a program.)
-struct BlockReduce {
+// TAIL: the all-reduce's buffers at the end of the dynamic shared memory (memory.cuh's
+// tail_scratch, where the planner adds them), not static.
+template <bool TAIL = false> struct BlockReduce {
   static constexpr bool kCluster = false;
   unsigned phase = 0;  // allreduce_block's buffer phase
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool, const F& meanwhile) {
     meanwhile();
-    return allreduce_block(v, phase);
+    return block(v);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
-    return allreduce_block(v, phase);
+    if constexpr (TAIL) {
+      return allreduce_block_at(v, phase, tail_scratch<S, 0>());
+    } else {
+      return allreduce_block(v, phase);
+    }
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool, const F& meanwhile) {

@@ -375,7 +375,7 @@ softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOU
   typedef typename Num<T>::compute C;
   softmax_cached<ALGO, PACK, CachedRegs<T, PACK, false>::kHold>(
       Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
-      blockIdx.x, gridDim.x, 0, cols / PACK, BlockReduce());
+      blockIdx.x, gridDim.x, 0, cols / PACK, BlockReduce<true>());
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
@@ -608,7 +608,7 @@ softmax_grad_block_smem(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 
   softmax_grad_cached<ALGO, PACK>(
       Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
       Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x, gridDim.x, 0, cols / PACK,
-      cols / PACK, BlockReduce());
+      cols / PACK, BlockReduce<true>());
 }
 
 // The sum of grad_term over packs [0, num_packs), read from global memory (the uncached kernel).

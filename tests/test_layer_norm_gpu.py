@@ -111,6 +111,10 @@ def variant_shapes(op, dtype, weight=False):
     """(shape, expected variant or None) on this device: every regime, its edges, and the
     issue's edge columns 1, 2, 31, 33, 1023, 1024, 1025 and 10**5 + 3."""
     edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, weight)
+    # a forward cluster block's slice beside its reduction buffers (the widest block's)
+    tail = cluster_tail(op, dtype, 1024) if op in FWD else 0
+    slice_edge = (max_dynamic_smem(spec()) - policy(op).smem_align - tail) // \
+        smem_per_col(op, dtype, weight)
     wide = 16 // ITEM[dtype]
     at_edge = LONE if policy(op).split_lone_blocks else Variant.BLOCK_SMEM
     shapes = [((1, 1), Variant.WARP), ((2, 1), Variant.WARP), ((7, 2), Variant.WARP),
@@ -124,7 +128,7 @@ def variant_shapes(op, dtype, weight=False):
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, 3 * edge // wide * wide), Variant.CLUSTER),
                    ((2, 8 * (edge // wide) * wide), Variant.CLUSTER),
-                   ((2, CLUSTER_SIZES[-1] * (edge // wide) * wide), Variant.CLUSTER),
+                   ((2, CLUSTER_SIZES[-1] * (slice_edge // wide) * wide), Variant.CLUSTER),
                    ((2, CLUSTER_SIZES[-1] * edge + 64 * wide), Variant.BLOCK_UNCACHED)]
     else:
         shapes += [((2, edge + 64 * wide), Variant.BLOCK_UNCACHED)]

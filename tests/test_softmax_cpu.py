@@ -105,10 +105,12 @@ def test_grids():
 
 
 def _smem_boundary(op, dtype, device):
-    """Largest cols (a multiple of the widest pack) whose row(s) fit one block's shared memory."""
+    """Largest cols (a multiple of the widest pack) whose row(s) fit one block's shared memory
+    beside the all-reduce's buffers of its narrowest block (128 threads)."""
     inputs = registry.policy(op).inputs
     pack = 16 // ITEM[dtype]
-    limit = device.smem_per_block_optin - HOPPER.static_smem
+    limit = device.smem_per_block_optin - HOPPER.static_smem - \
+        cluster_tail(op, dtype, 128, cluster=False)
     return limit // (ITEM[dtype] * inputs) // pack * pack
 
 
@@ -118,7 +120,8 @@ def test_block_smem_boundary(op, dtype):
     edge = _smem_boundary(op, dtype, H100)
     inside = plan_rowwise(op, 1000, edge, dtype, H100)
     assert inside.variant is Variant.BLOCK_SMEM
-    assert inside.smem_bytes == edge * ITEM[dtype] * registry.policy(op).inputs
+    assert inside.smem_bytes == edge * ITEM[dtype] * registry.policy(op).inputs + \
+        cluster_tail(op, dtype, inside.threads, cluster=False)
     assert inside.smem_bytes <= planner.max_dynamic_smem(H100)
     below = plan_rowwise(op, 1000, edge - 1, dtype, H100)
     assert below.variant is Variant.BLOCK_SMEM

@@ -81,7 +81,9 @@ def spec():
 
 
 def smem_edge(op, dtype):
-    return max_dynamic_smem(spec()) // (ITEM[dtype] * policy(op).inputs)
+    """Columns a block of 128 threads holds beside its all-reduce's two buffers."""
+    room = max_dynamic_smem(spec()) - cluster_tail(op, dtype, 128, cluster=False)
+    return room // (ITEM[dtype] * policy(op).inputs)
 
 
 def variant_shapes(op, dtype):
@@ -424,8 +426,10 @@ def pinned_plans(op, dtype, rows, cols):
     inputs = policy(op).inputs
     template = replace(warp, variant=Variant.BLOCK_SMEM, block=(128, 1), grid=2,
                        smem_bytes=cols * ITEM[dtype] * inputs, **common)
-    if template.smem_bytes <= max_dynamic_smem(dev):
-        plans += [replace(template, block=(t, 1)) for t in (128, 256, 512, 1024)]
+    for t in (128, 256, 512, 1024):  # the row, then the all-reduce's buffers from 16 bytes on
+        smem = -(-template.smem_bytes // 16) * 16 + cluster_tail(op, dtype, t, cluster=False)
+        if smem <= max_dynamic_smem(dev):
+            plans.append(replace(template, block=(t, 1), smem_bytes=smem))
     plans.append(replace(template, variant=Variant.BLOCK_UNCACHED, block=(1024, 1),
                          smem_bytes=0))
     if dev.has_clusters:

@@ -117,18 +117,23 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     overlap = pol.overlap_with_residual and sw.residual
     paired = rows >= 2 and cols >= tune.paired_min_cols and _may_pair(pol, sw, dtype)
     smem = cols * smem_per_col + pol.smem_align
-    candidate = Plan(variant=Variant.BLOCK_SMEM, block=(128, 1), grid=1, smem_bytes=smem,
-                     **NO_WARP, **base)
-    occ128 = occ(candidate) if smem <= max_dynamic_smem(device) else 0
+
+    def sized(threads: int) -> tuple[Plan, int]:  # a block and its resident blocks an SM
+        tail = -(-smem // 16) * 16 - smem + tail_scratch(pol, dtype, threads, cluster=False) \
+            if pol.tail_in_blocks else 0
+        plan = Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), grid=1,
+                    smem_bytes=smem + tail, **NO_WARP, **base)
+        return plan, occ(plan) if plan.smem_bytes <= max_dynamic_smem(device) else 0
+
+    candidate, occ128 = sized(128)
     if occ128 > 0:
-        block = 128
         widest = block_threads_for(cols // pack, tune)
         for threads in tune.block_sizes:
-            if threads <= widest and occ(replace(candidate, block=(threads, 1))) == occ128:
-                block = threads
+            if threads <= widest and sized(threads)[1] == occ128:
+                candidate = sized(threads)[0]
                 break
-        plan = replace(candidate, block=(block, 1), notes=(
-            f"row cached in shared memory as {dtype} ({smem} bytes per block)",))
+        plan = replace(candidate, notes=(
+            f"row cached in shared memory as {dtype} ({candidate.smem_bytes} bytes per block)",))
         if overlap:
             return plan_overlap(plan, occ128, widest, device, occ, rows)
         if pol.split_lone_blocks and device.has_clusters and not strided and \
@@ -257,16 +262,18 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
     return replace(plan, grid=max(1, min(passes, clusters)) * size, notes=notes)
 
 
-def tail_scratch(pol: OpPolicy, dtype: str, threads: int, rows_per_pass: int = 1) -> int:
-    """Bytes of a cluster block's reduction buffers at the end of its dynamic shared memory
-    (kernels/memory.cuh, from the 16-byte boundary after the slice): the block all-reduce's two
-    states a warp (``tail_scratch_words`` a row of the pass) in 16-byte units, then the cluster
-    merge's four (``tail_merge_words``). Static ones would push three blocks of 64 KiB past the
-    196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB of L1 for its loads in flight
-    instead of 60 (docs/notes/softmax.md)."""
+def tail_scratch(pol: OpPolicy, dtype: str, threads: int, rows_per_pass: int = 1,
+                 cluster: bool = True) -> int:
+    """Bytes of a block's reduction buffers at the end of its dynamic shared memory
+    (kernels/memory.cuh, from the 16-byte boundary after the cached rows): the block
+    all-reduce's two states a warp (``tail_scratch_words`` a row of the pass) in 16-byte units,
+    then in a cluster the merge's four (``tail_merge_words``). Static ones would push three
+    blocks of 64 KiB past the 196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB of L1
+    for its loads in flight instead of 60 (docs/notes/softmax.md)."""
     word = (8 if dtype == "float64" else 4) * rows_per_pass
     partials = -(-2 * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
-    return partials + 4 * pol.tail_merge_words * word if pol.tail_scratch_words else 0
+    merge = 4 * pol.tail_merge_words * word if cluster else 0
+    return partials + merge
 
 
 def _check_float32_params(pol: OpPolicy, sw: Switches, dtype: str, strided: bool) -> None:
