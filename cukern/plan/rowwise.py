@@ -136,8 +136,12 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
             f"row cached in shared memory as {dtype} ({candidate.smem_bytes} bytes per block)",))
         if overlap:
             return plan_overlap(plan, occ128, widest, device, occ, rows)
+        # threads an SM with the block width that keeps the most (not only the one taken:
+        # registers can leave a wider block fewer blocks but more threads)
+        resident = max(sized(t)[1] * t for t in (128,) + tune.block_sizes
+                       if t <= max(widest, 128))
         if pol.split_lone_blocks and device.has_clusters and not strided and \
-                occ128 * plan.threads <= tune.lone_block_resident:
+                resident <= tune.lone_block_resident:
             shared = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows,
                                   shared_only=True, paired=paired)
             if shared is not None:
