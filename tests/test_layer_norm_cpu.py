@@ -251,8 +251,8 @@ def test_lone_blocks_go_to_clusters(op):
     assert "alone on its SM" in p.notes[-1]
     assert plan_rowwise(op, 2048, 32768, "float32", H100).variant is Variant.CLUSTER
     # registers that leave blocks of 256 threads five an SM, where six of 128 fit (1280 threads
-    # against 768; bfloat16 at 16384 columns, H200): not lone, the block stays (OneFlow's
-    # width rule still takes 128 threads, the widest with the 128-thread occupancy)
+    # against 768; bfloat16 at 16384 columns, H200): not lone, the block stays, and with no
+    # wider block as many an SM as of 128 threads (OneFlow's rule), the most threads: 256
     by_regs = {128: 6, 256: 5, 512: 2, 1024: 1}
 
     def occ(plan):  # the clusters' blocks (16 KiB each) six an SM
@@ -261,7 +261,7 @@ def test_lone_blocks_go_to_clusters(op):
         return H100.model_occupancy(plan.threads, plan.smem_bytes)
 
     p = plan_rowwise(op, 8192, 16384, "bfloat16", H100, occ)
-    assert (p.variant, p.threads) == (Variant.BLOCK_SMEM, 128), p
+    assert (p.variant, p.threads) == (Variant.BLOCK_SMEM, 256), p
     # blocks that share an SM stay: float16 rows of 32768 (3 blocks of 512 threads per SM)
     p = plan_rowwise(op, 4096, 32768, "float16", H100)
     assert p.variant is Variant.BLOCK_SMEM and p.threads * H100.model_occupancy(

@@ -4,6 +4,7 @@ constant rows; large offsets; views; empty arrays; DLPack hand-offs; bad input."
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
@@ -1101,6 +1102,7 @@ def test_rows_past_the_longest_are_refused(op):
     stat = cp.ones(2, cp.float32)
     for ns in ((MAX_COLS + 1,), (2**31 - 1,), (2**31,), (2**16, 2**15)):
         x = cp.broadcast_to(one.reshape((1,) * (len(ns) + 1)), (2, *ns))
+        gc.collect()  # earlier tests' garbage freed now, not during the call
         used = pool.used_bytes()
         cols = math.prod(ns)
         with pytest.raises(ValueError, match=rf"{op}: .*{cols} elements; at most 2147479552"):

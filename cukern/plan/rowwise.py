@@ -128,18 +128,20 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     candidate, occ128 = sized(128)
     if occ128 > 0:
         widest = block_threads_for(cols // pack, tune)
+        widths = [t for t in (128,) + tune.block_sizes if t <= max(widest, 128)]
         for threads in tune.block_sizes:
             if threads <= widest and sized(threads)[1] == occ128:
                 candidate = sized(threads)[0]
                 break
+        else:  # registers leave every wider block fewer blocks: the most threads resident
+            candidate = sized(max(widths, key=lambda t: (sized(t)[1] * t, -t)))[0]
         plan = replace(candidate, notes=(
             f"row cached in shared memory as {dtype} ({candidate.smem_bytes} bytes per block)",))
         if overlap:
             return plan_overlap(plan, occ128, widest, device, occ, rows)
         # threads an SM with the block width that keeps the most (not only the one taken:
         # registers can leave a wider block fewer blocks but more threads)
-        resident = max(sized(t)[1] * t for t in (128,) + tune.block_sizes
-                       if t <= max(widest, 128))
+        resident = max(sized(t)[1] * t for t in widths)
         if pol.split_lone_blocks and device.has_clusters and not strided and \
                 resident <= tune.lone_block_resident:
             shared = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows,
