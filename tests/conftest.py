@@ -358,3 +358,40 @@ def pytest_sessionfinish(session, exitstatus):
     if _nvrtc_pool is not None:
         _nvrtc_pool.shutdown(wait=True, cancel_futures=True)
         _nvrtc_pool = None
+
+
+def static_smem(family: str, name: str, arch: str = "sm_90") -> int:
+    """Static shared memory of the kernel ``name`` (``kernels/<family>.cuh``) on ``arch``, compiled
+    alone as the ops compile it (``_compile.get_kernel``: a program a name), from NVRTC's machine
+    code (the ELF section ``.nv.shared.<symbol>``), less that of a probe kernel that uses dynamic
+    shared memory only (the block's reserved bytes): no GPU needed."""
+    import struct
+
+    from cupy.cuda import nvrtc
+
+    from cukern import _compile
+
+    probe = "cukern_dynamic_smem_probe"
+    source = _compile.source(family) + (
+        f'\nextern "C" __global__ void {probe}(float* p) {{ extern __shared__ float s[]; '
+        "s[threadIdx.x] = p[threadIdx.x]; __syncthreads(); "
+        "p[threadIdx.x] = s[threadIdx.x ^ 1]; }\n")
+    prog = nvrtc.createProgram(source, f"{family}.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, name)
+        nvrtc.compileProgram(prog, [*_compile.nvrtc_options(), *_compile.check_options(),
+                                    f"-arch={arch}"])
+        symbol = nvrtc.getLoweredName(prog, name)
+        elf = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    entry, count, names_at = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entry) for i in range(count)]
+    strings = headers[names_at][4]
+    sizes = {}
+    for h in headers:
+        end = elf.index(b"\0", strings + h[0])
+        sizes[elf[strings + h[0]:end].decode()] = h[5]
+    reserved = sizes[".nv.shared." + probe]
+    return sizes.get(".nv.shared." + symbol, reserved) - reserved

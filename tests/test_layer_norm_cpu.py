@@ -18,7 +18,7 @@ from cukern.ops import layer_norm as ln
 from cukern.plan import HOPPER, Switches, Variant, plan_rowwise, replace
 from cukern.registry import policy
 
-from .conftest import NVRTC_ARCHS, cluster_tail, col_sums_expected, nvrtc_results
+from .conftest import NVRTC_ARCHS, cluster_tail, col_sums_expected, nvrtc_results, static_smem
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -1031,3 +1031,31 @@ def test_host_arrays_are_refused():
     with pytest.raises(TypeError, match="numpy.ndarray"):
         cukern.rms_norm_backward(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32),
                                  np.zeros(2, np.float32))
+
+
+@pytest.mark.nvrtc
+def test_kernels_of_64k_slices_have_no_static_buffers():
+    """The carveout (docs/notes/kernels.md, "Shared memory"): three blocks of 64 KiB fit the
+    196 KiB step only with at most 256 more bytes each. The softmax kernels and the forward
+    norms' clusters keep every reduction buffer in the tail of the dynamic shared memory (none
+    static: a slice at the start is aligned); the forward norms' blocks keep 256 static bytes,
+    a 128-byte multiple, so their rows start aligned with no bytes added."""
+    cases = {"softmax": [("softmax", "float16", 32768, {}), ("softmax", "float32", 262144, {}),
+                         ("softmax_backward", "float16", 16384, {}),
+                         ("softmax_backward", "float32", 131072, {})],
+             "layer_norm": [("layer_norm", "float16", 131072, dict(weight=True, bias=True)),
+                            ("layer_norm", "float32", 262144, dict(weight=True, bias=True)),
+                            ("rms_norm", "bfloat16", 262144, dict(weight=True)),
+                            ("layer_norm", "float16", 32768, dict(weight=True, bias=True))]}
+    for family, shapes in cases.items():
+        plans = [cukern.explain(op, (2**27 // cols, cols), dt, device="h100", **kw)
+                 for op, dt, cols, kw in shapes]
+        sizes = {n: static_smem(family, n) for n in {p.name_expression() for p in plans}}
+        for p in plans:
+            per_block = -(-(p.smem_bytes + sizes[p.name_expression()]) // 128) * 128 + 1024
+            if p.variant is Variant.BLOCK_SMEM and family == "layer_norm":
+                assert sizes[p.name_expression()] == 256 and p.smem_bytes == 65536, p
+            else:
+                assert sizes[p.name_expression()] == 0, p
+            if p.rows_per_pass == 1:  # 64 KiB of rows a block: three fit the 196 KiB step
+                assert 3 * per_block <= 200704, p
