@@ -304,11 +304,18 @@ def nvrtc_programs(family: str, arch: str) -> list[tuple[str, str, list[str]]]:
     return programs
 
 
+def _compile_check(source: str, names: list[str], arch: str) -> dict[str, str]:
+    """``_compile.compile_check`` in a worker, looked up there: the pool pickles a job when a
+    worker takes it, by reference, which fails while a test has that function monkeypatched."""
+    from cukern import _compile
+
+    return _compile.compile_check(source, names, arch)
+
+
 def _nvrtc_submit(wanted) -> None:
     """Submits the programs of the (family, arch) pairs in ``wanted`` not yet submitted, the
     largest first (sm_90 programs, with their clusters, take longer a name)."""
     global _nvrtc_pool
-    from cukern import _compile
 
     todo = [(key, prog) for key in dict.fromkeys(wanted) if key not in _nvrtc_jobs
             for prog in nvrtc_programs(*key)]
@@ -320,7 +327,7 @@ def _nvrtc_submit(wanted) -> None:
         _nvrtc_jobs.setdefault(key, [])
     todo.sort(key=lambda t: len(t[1][2]) * (2 if t[0][1] == "sm_90" else 1), reverse=True)
     for (family, arch), (source, dt, names) in todo:
-        job = _nvrtc_pool.submit(_compile.compile_check, source, names, arch)
+        job = _nvrtc_pool.submit(_compile_check, source, names, arch)
         _nvrtc_jobs[family, arch].append((source, dt, names, job))
 
 
