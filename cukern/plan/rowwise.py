@@ -118,6 +118,7 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     paired = rows >= 2 and cols >= tune.paired_min_cols and _may_pair(pol, sw, dtype)
     smem = cols * smem_per_col + pol.smem_align
 
+    @functools.cache
     def sized(threads: int) -> tuple[Plan, int]:  # a block and its resident blocks an SM
         tail = -(-smem // 16) * 16 - smem + tail_scratch(pol, dtype, threads, cluster=False) \
             if pol.tail_in_blocks else 0
