@@ -148,17 +148,6 @@ __device__ __forceinline__ S merge_ranks(const S* slot, unsigned lane) {
   return allreduce_group(ranks, N);
 }
 
-// allreduce_block with its buffers static (MERGE == 0), or in the tail before the merge's
-// slots (memory.cuh's tail_scratch).
-template <int MERGE, typename S>
-__device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
-  if constexpr (MERGE > 0) {
-    return allreduce_block_at(v, phase, tail_scratch<S, MERGE>());
-  } else {
-    return allreduce_block(v, phase);
-  }
-}
-
 // Merges the blocks' states over a whole cluster (sm_90), given each block's state (the same in
 // every thread of the block): warp 0 of each block merges them from distributed shared memory
 // in rank order (every block gets bit-identical results) and hands the result to its block.
@@ -225,8 +214,8 @@ template <int CLUSTER, int MERGE = 0, typename S, typename F>
 __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  return merge_cluster<CLUSTER, MERGE>(allreduce_block_in<MERGE>(v, phase), n, b, last,
-                                       meanwhile);
+  return merge_cluster<CLUSTER, MERGE>(allreduce_block_in<(MERGE > 0), MERGE>(v, phase), n, b,
+                                       last, meanwhile);
 }
 
 // The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
@@ -306,7 +295,7 @@ template <int CLUSTER, int MERGE = 0> struct ClusterReduce : ClusterSize<CLUSTER
     return (*this)(v, last, [] {});
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
-    return allreduce_block_in<MERGE>(v, block_phase);
+    return allreduce_block_in<(MERGE > 0), MERGE>(v, block_phase);
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {

@@ -218,6 +218,16 @@ template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned
   __shared__ S partial[2 * 32];
   return allreduce_block_at(v, phase, partial);
 }
+// allreduce_block with its buffers static, or (TAIL) at the end of the dynamic shared memory,
+// before a cluster merge's four slots of MERGE bytes (memory.cuh's tail_scratch).
+template <bool TAIL, int MERGE = 0, typename S>
+__device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
+  if constexpr (TAIL) {
+    return allreduce_block_at(v, phase, tail_scratch<S, MERGE>());
+  } else {
+    return allreduce_block(v, phase);
+  }
+}
 
 // A kernel's all-reduces over one block, behind the interface that ClusterReduce (cluster.cuh)
 // gives them over a cluster, so a rows loop is written once for both. `last`: the block's final
@@ -240,11 +250,7 @@ template <bool TAIL = false> struct BlockReduce {
     return (*this)(v, last, [] {});
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
-    if constexpr (TAIL) {
-      return allreduce_block_at(v, phase, tail_scratch<S, 0>());
-    } else {
-      return allreduce_block(v, phase);
-    }
+    return allreduce_block_in<TAIL>(v, phase);
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool, const F& meanwhile) {

@@ -120,10 +120,10 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
 
     @functools.cache
     def sized(threads: int) -> tuple[Plan, int]:  # a block and its resident blocks an SM
-        tail = -(-smem // 16) * 16 - smem + tail_scratch(pol, dtype, threads, cluster=False) \
-            if pol.tail_in_blocks else 0
-        plan = Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), grid=1,
-                    smem_bytes=smem + tail, **NO_WARP, **base)
+        total = with_tail(pol, dtype, smem, threads, cluster=False) if pol.tail_in_blocks \
+            else smem
+        plan = Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), grid=1, smem_bytes=total,
+                    **NO_WARP, **base)
         return plan, occ(plan) if plan.smem_bytes <= max_dynamic_smem(device) else 0
 
     candidate, occ128 = sized(128)
@@ -140,11 +140,10 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
             f"row cached in shared memory as {dtype} ({candidate.smem_bytes} bytes per block)",))
         if overlap:
             return plan_overlap(plan, occ128, widest, device, occ, rows)
-        # threads an SM with the block width that keeps the most (not only the one taken:
-        # registers can leave a wider block fewer blocks but more threads)
-        resident = max(sized(t)[1] * t for t in widths)
+        # lone: at most lone_block_resident threads an SM with the width that keeps the most
+        # (not only the one taken: registers can leave a wider block fewer blocks, more threads)
         if pol.split_lone_blocks and device.has_clusters and not strided and \
-                resident <= tune.lone_block_resident:
+                max(sized(t)[1] * t for t in widths) <= tune.lone_block_resident:
             shared = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows,
                                   shared_only=True, paired=paired)
             if shared is not None:
@@ -234,9 +233,8 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
             fits.append((size, smem))
 
     def cluster(size: int, smem: int, threads: int) -> tuple[Plan, int]:
-        scratch = tail_scratch(pol, base["dtype"], threads, rows_per_pass)
-        if scratch:  # after the slice, on a 16-byte boundary (slices of odd rows end anywhere)
-            smem = -(-smem // 16) * 16 + scratch
+        if pol.tail_scratch_words:
+            smem = with_tail(pol, base["dtype"], smem, threads, rows_per_pass)
         plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
                     cluster=size, overlap=overlap, rows_per_pass=rows_per_pass, **NO_WARP,
                     **base)
@@ -272,15 +270,22 @@ def plan_cluster(base: dict, cols: int, pack: int, smem_per_col: int, device: De
 def tail_scratch(pol: OpPolicy, dtype: str, threads: int, rows_per_pass: int = 1,
                  cluster: bool = True) -> int:
     """Bytes of a block's reduction buffers at the end of its dynamic shared memory
-    (kernels/memory.cuh, from the 16-byte boundary after the cached rows): the block
-    all-reduce's two states a warp (``tail_scratch_words`` a row of the pass) in 16-byte units,
-    then in a cluster the merge's four (``tail_merge_words``). Static ones would push three
-    blocks of 64 KiB past the 196 KiB carveout into the 228 KiB one, leaving the SM 28 KiB of L1
-    for its loads in flight instead of 60 (docs/notes/softmax.md)."""
+    (kernels/memory.cuh): the block all-reduce's two states a warp (``tail_scratch_words`` a row
+    of the pass) in 16-byte units, then in a cluster the merge's four (``tail_merge_words``).
+    Static ones would push three blocks of 64 KiB past the 196 KiB carveout into the 228 KiB
+    one, leaving the SM 28 KiB of L1 for its loads in flight instead of 60
+    (docs/notes/softmax.md)."""
     word = (8 if dtype == "float64" else 4) * rows_per_pass
     partials = -(-2 * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
     merge = 4 * pol.tail_merge_words * word if cluster else 0
     return partials + merge
+
+
+def with_tail(pol: OpPolicy, dtype: str, smem: int, threads: int, rows_per_pass: int = 1,
+              cluster: bool = True) -> int:
+    """``smem`` bytes of cached rows, then the reduction buffers (:func:`tail_scratch`) from the
+    16-byte boundary after them (rows of odd lengths end anywhere)."""
+    return -(-smem // 16) * 16 + tail_scratch(pol, dtype, threads, rows_per_pass, cluster)
 
 
 def _check_float32_params(pol: OpPolicy, sw: Switches, dtype: str, strided: bool) -> None:
