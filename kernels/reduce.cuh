@@ -200,30 +200,30 @@ template <typename C> __device__ __forceinline__ MaxSum<C> allreduce_group(MaxSu
 // two buffers for the warps' partial states, so a call never overwrites partials that threads
 // may still be reading from the previous call (a thread reaching the call after that has passed
 // the barrier of the one between). Every warp reduces the partials itself: no broadcast.
-// allreduce_block_at takes the two buffers at `partial` (2 * warps states: memory.cuh's
-// tail_scratch).
-template <typename S>
-__device__ __forceinline__ S allreduce_block_at(S v, unsigned& phase, S* partial) {
+// allreduce_block_into: the all-reduce given this call's buffer of one state a warp, `slots`.
+// allreduce_block's static buffers are picked by a constant stride (partial[phase & 1]): with the
+// block's warp count as the stride, ptxas allocated layer norm's backward clusters 43 registers
+// in place of 61 and their 16-bit rows of 32768-262144 ran 3-9 points of copy slower (H200).
+template <typename S> __device__ __forceinline__ S allreduce_block_into(S v, S* slots) {
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
   const int warp = tid / 32, nwarps = (blockDim.x * blockDim.y + 31) / 32;
   const unsigned lane = lane_id();
-  S* const slots = partial + (phase & 1u) * nwarps;
-  phase += 1;
   v = allreduce_group(v, 32);
   if (lane == 0) slots[warp] = v;
   __syncthreads();
   return allreduce_group(static_cast<int>(lane) < nwarps ? slots[lane] : S::identity(), 32);
 }
 template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned& phase) {
-  __shared__ S partial[2 * 32];
-  return allreduce_block_at(v, phase, partial);
+  __shared__ S partial[2][32];
+  return allreduce_block_into(v, partial[phase++ & 1u]);
 }
 // allreduce_block with its buffers static, or (TAIL) at the end of the dynamic shared memory,
 // before a cluster merge's four slots of MERGE bytes (memory.cuh's tail_scratch).
 template <bool TAIL, int MERGE = 0, typename S>
 __device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
   if constexpr (TAIL) {
-    return allreduce_block_at(v, phase, tail_scratch<S, MERGE>());
+    const unsigned nwarps = (blockDim.x * blockDim.y + 31) / 32;
+    return allreduce_block_into(v, tail_scratch<S, MERGE>() + (phase++ & 1u) * nwarps);
   } else {
     return allreduce_block(v, phase);
   }
