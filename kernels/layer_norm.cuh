@@ -82,16 +82,23 @@ template <> __device__ __forceinline__ bf16 storage_one<bf16>() { return bf16{0x
 // How AffineStore has gamma or beta (its W and B): kAbsent, never read (gamma = 1, beta = 0);
 // kPresent, always read; kRuntime, read where the pointer is not null (null: absent).
 enum : int { kAbsent = 0, kPresent = 1, kRuntime = 2 };
+// beta's W for a norm (RMS norm has none), and whether a call gives every parameter it has.
+template <int ALGO, int W> constexpr int kBias = ALGO == kLayerNorm ? W : kAbsent;
+template <int ALGO, typename P>
+__device__ __forceinline__ bool affine_given(const P* gamma, const P* beta) {
+  return gamma != nullptr && (ALGO != kLayerNorm || beta != nullptr);
+}
 
 // y = v * gamma + beta for normalised values v, each factor optional. The warp and block
-// kernels take both at run time (W = kRuntime, B = kRuntime for layer norm, kAbsent for RMS
-// norm), so one instantiation serves every combination: an absent one is never read and
-// stands for gamma = 1 or beta = 0, and the per-value math is one multiply-add either way
-// (v * 1 + 0 is v, v * gamma + 0 is v * gamma, rounded once); whether each is present is
-// uniform across the grid, and the loads are predicated on it, once a pack. The cluster
-// kernels take them as template switches (kAbsent or kPresent each: the code the WEIGHT and
-// BIAS switches gave), where run-time presence cost 1-6 points of copy speed
-// (docs/notes/layer-norm-forward.md).
+// kernels take both at run time, so one instantiation serves every combination: where both are
+// given (gamma alone for RMS norm) the kernel branches once to rows compiled with them present
+// (affine_given), else to rows that read them at run time (W = kRuntime, B = kRuntime for layer
+// norm, kAbsent for RMS norm): an absent one is never read and stands for gamma = 1 or beta = 0,
+// and the per-value math is one multiply-add either way (v * 1 + 0 is v, v * gamma + 0 is
+// v * gamma, rounded once), with the loads predicated once a pack. Run-time presence alone cost
+// 16-bit layer norm 2-10 points of copy on the H200. The cluster kernels take them as template
+// switches (kAbsent or kPresent each: the code the WEIGHT and BIAS switches gave), where
+// run-time presence cost 1-6 points (docs/notes/layer-norm-forward.md).
 // params() and store_with() split store() for a caller that writes several rows of the same
 // columns (gamma and beta loaded and converted once).
 // P: the parameters' type (T, or float for 16-bit T in the uncached kernel; see norm.cuh).
@@ -275,9 +282,9 @@ __device__ __forceinline__ C warp_shift(const C* buf, int cols, int width, int l
 // packs p at columns (p * width + l) * PACK, so a group's accesses are coalesced. Slots past the
 // end of the row (padding) hold 0 and are left out of the variance. The row loop is uniform
 // across the block, so every lane reaches every shuffle.
-template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL>
-__global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)) {
-  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, T);
+template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL, int W, int B>
+__device__ __forceinline__ void layer_norm_warp_rows(CUKERN_NORM_FWD_PARAMS(T)) {
+  CUKERN_NORM_FWD_SETUP(W, B, T);
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
@@ -360,6 +367,16 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)
         st.template store_with<PACK>(out, w, b, row0 + r, col);
       }
     }
+  }
+}
+template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL>
+__global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)) {
+  if (affine_given<ALGO>(gamma, beta)) {
+    layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, kPresent, kBias<ALGO, kPresent>>(
+        CUKERN_NORM_FWD_ARGS);
+  } else {
+    layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, kRuntime, kBias<ALGO, kRuntime>>(
+        CUKERN_NORM_FWD_ARGS);
   }
 }
 
@@ -574,13 +591,23 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 
 // Block kernel with the row cached in shared memory (cols values of T; see norm_rows).
 // Grid-stride over rows; any block size that is a multiple of 32.
-template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP>
-__global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS(T)) {
-  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, T);
+template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP, int W, int B>
+__device__ __forceinline__ void layer_norm_block_smem_rows(CUKERN_NORM_FWD_PARAMS(T)) {
+  CUKERN_NORM_FWD_SETUP(W, B, T);
   BlockReduce<> reduce;
   norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1>(
       dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
       cols / PACK, true, reduce);
+}
+template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP>
+__global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS(T)) {
+  if (affine_given<ALGO>(gamma, beta)) {
+    layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, kPresent, kBias<ALGO, kPresent>>(
+        CUKERN_NORM_FWD_ARGS);
+  } else {
+    layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, kRuntime, kBias<ALGO, kRuntime>>(
+        CUKERN_NORM_FWD_ARGS);
+  }
 }
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.
