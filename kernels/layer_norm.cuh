@@ -82,23 +82,18 @@ template <> __device__ __forceinline__ bf16 storage_one<bf16>() { return bf16{0x
 // How AffineStore has gamma or beta (its W and B): kAbsent, never read (gamma = 1, beta = 0);
 // kPresent, always read; kRuntime, read where the pointer is not null (null: absent).
 enum : int { kAbsent = 0, kPresent = 1, kRuntime = 2 };
-// beta's W for a norm (RMS norm has none), and whether a call gives every parameter it has.
-template <int ALGO, int W> constexpr int kBias = ALGO == kLayerNorm ? W : kAbsent;
-template <int ALGO, typename P>
-__device__ __forceinline__ bool affine_given(const P* gamma, const P* beta) {
-  return gamma != nullptr && (ALGO != kLayerNorm || beta != nullptr);
-}
+template <int ALGO, int W> constexpr int kBias = ALGO == kLayerNorm ? W : kAbsent;  // beta's
 
 // y = v * gamma + beta for normalised values v, each factor optional. The warp and block
-// kernels take both at run time, so one instantiation serves every combination: where both are
-// given (gamma alone for RMS norm) the kernel branches once to rows compiled with them present
-// (affine_given), else to rows that read them at run time (W = kRuntime, B = kRuntime for layer
-// norm, kAbsent for RMS norm): an absent one is never read and stands for gamma = 1 or beta = 0,
-// and the per-value math is one multiply-add either way (v * 1 + 0 is v, v * gamma + 0 is
-// v * gamma, rounded once), with the loads predicated once a pack. Run-time presence alone cost
-// 16-bit layer norm 2-10 points of copy on the H200. The cluster kernels take them as template
-// switches (kAbsent or kPresent each: the code the WEIGHT and BIAS switches gave), where
-// run-time presence cost 1-6 points (docs/notes/layer-norm-forward.md).
+// kernels have two instantiations (AFFINE): one for calls that give every parameter the norm
+// has (W = kPresent; B = kPresent for layer norm, kAbsent for RMS norm), one that serves every
+// other combination at run time (W = kRuntime, B = kRuntime or kAbsent): an absent one is never
+// read and stands for gamma = 1 or beta = 0, and the per-value math is one multiply-add either
+// way (v * 1 + 0 is v, v * gamma + 0 is v * gamma, rounded once), with the loads predicated
+// once a pack. Run-time presence alone cost 16-bit layer norm 2-10 points of copy on the H200.
+// The cluster kernels take them as template switches (kAbsent or kPresent each: the code the
+// WEIGHT and BIAS switches gave), where run-time presence cost 1-6 points
+// (docs/notes/layer-norm-forward.md).
 // params() and store_with() split store() for a caller that writes several rows of the same
 // columns (gamma and beta loaded and converted once).
 // P: the parameters' type (T, or float for 16-bit T in the uncached kernel; see norm.cuh).
@@ -369,15 +364,10 @@ __device__ __forceinline__ void layer_norm_warp_rows(CUKERN_NORM_FWD_PARAMS(T)) 
     }
   }
 }
-template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL>
+template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL, bool AFFINE>
 __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)) {
-  if (affine_given<ALGO>(gamma, beta)) {
-    layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, kPresent, kBias<ALGO, kPresent>>(
-        CUKERN_NORM_FWD_ARGS);
-  } else {
-    layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, kRuntime, kBias<ALGO, kRuntime>>(
-        CUKERN_NORM_FWD_ARGS);
-  }
+  constexpr int W = AFFINE ? kPresent : kRuntime;
+  layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, W, kBias<ALGO, W>>(CUKERN_NORM_FWD_ARGS);
 }
 
 // The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of R rows at
@@ -599,15 +589,11 @@ __device__ __forceinline__ void layer_norm_block_smem_rows(CUKERN_NORM_FWD_PARAM
       dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
       cols / PACK, true, reduce);
 }
-template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP>
+template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP, bool AFFINE>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS(T)) {
-  if (affine_given<ALGO>(gamma, beta)) {
-    layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, kPresent, kBias<ALGO, kPresent>>(
-        CUKERN_NORM_FWD_ARGS);
-  } else {
-    layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, kRuntime, kBias<ALGO, kRuntime>>(
-        CUKERN_NORM_FWD_ARGS);
-  }
+  constexpr int W = AFFINE ? kPresent : kRuntime;
+  layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, W, kBias<ALGO, W>>(
+      CUKERN_NORM_FWD_ARGS);
 }
 
 // Block kernel without a cache: Welford statistics in one read, then a second read to write y.

@@ -42,7 +42,8 @@
 // so that the others' code stays as it is; a run-time flag changed ptxas's register allocation of
 // many of them). The group width (blockDim.x of the warp kernel), the block size, padding, the
 // number of buffers of a cached backward and whether the forward warp and block kernels have gamma
-// and beta (null pointers where absent: layer_norm.cuh, AffineStore) are read at run time.
+// and beta, where the call does not give every parameter the norm has (AFFINE false; null
+// pointers where absent: layer_norm.cuh, AffineStore), are read at run time.
 //
 // Rows are contiguous (column stride 1; any row stride): the host copies other layouts first.
 // Every pointer and row stride is a multiple of PACK elements (the planner checks).

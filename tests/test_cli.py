@@ -958,7 +958,7 @@ def test_explain_norm_switches():
                "--device", "h100").stdout
     assert "layer_norm_cluster<cukern::f16, 0, 8, 4, false, false, false, false, 3, 1>" in bare
     fused = run(*args, "--residual").stdout
-    assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true>" in fused
+    assert "layer_norm_block_smem<cukern::f16, 0, 8, true, true, true>" in fused
     assert "overlap            each block" in fused and "overlap" not in plain
 
 

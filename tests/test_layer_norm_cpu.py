@@ -112,16 +112,17 @@ def test_name_expressions():
     p = plan_rowwise("layer_norm", 4096, 768, "float16", H100,
                      switches=Switches(weight=True, bias=True))
     assert p.name_expression() == \
-        "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, false>"
-    # the forward's weight and bias are null pointers where absent: one kernel for all four
+        "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, false, true>"
+    # the forward's weight and bias: compiled in where both are given (AFFINE, the last
+    # argument), else null pointers where absent: one kernel for the other three
     assert {plan_rowwise("layer_norm", 4096, 768, "float16", H100, switches=Switches(w, b)
                          ).name_expression() for w in (False, True) for b in (False, True)} == \
-        {p.name_expression()}
+        {p.name_expression(), "cukern::layer_norm_warp<cukern::f16, 0, 8, 32, 1, false, false>"}
     p = plan_rowwise("rms_norm", 4096, 4096, "bfloat16", H100,
                      switches=Switches(weight=True, residual=True))
-    assert not p.overlap  # the last argument: whether blocks overlap their rows
+    assert not p.overlap  # the fifth argument: whether blocks overlap their rows
     assert p.name_expression() == \
-        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false>"
+        "cukern::layer_norm_block_smem<cukern::bf16, 1, 8, true, false, true>"
     p = plan_rowwise("layer_norm_backward", 8, 100000, "float32", H100, switches=WEIGHT)
     assert p.variant is Variant.CLUSTER
     regs = "true" if p.sums_in_registers else "false"
@@ -634,7 +635,7 @@ def test_backward_with_weight_uses_one_wave_of_blocks():
 def test_explain_knows_the_norms():
     p = cukern.explain("layer_norm", (8, 197, 768), "float16", device=H100)
     assert (p.rows, p.cols, p.variant) == (8 * 197, 768, Variant.WARP)
-    assert "layer_norm_warp<cukern::f16, 0, 8, 32, 1, false>" in str(p)
+    assert "layer_norm_warp<cukern::f16, 0, 8, 32, 1, false, false>" in str(p)
     p = cukern.explain("rms_norm_backward", (64, 8192), "bfloat16", device=H100)
     assert p.variant is Variant.BLOCK_SMEM
     # the call's weight, bias and residual choose the kernel too
@@ -707,6 +708,9 @@ def test_reachable_sets():
             else:
                 assert not f32, f32
 
+            def takes_affine(name):
+                return op not in BWD and ("_warp<" in name or "_block_smem<" in name)
+
             def switches(name):
                 """The op's template switches of the kernel: the forward's cached kernels end in
                 Plan.overlap (its clusters, with weight and bias switches, in Plan.overlap,
@@ -718,6 +722,9 @@ def test_reachable_sets():
                 overlap_switch = (template_switches.index("residual")
                                   if pol.overlap_with_residual else -1)
                 args = name[:-1].split(", ")
+                if takes_affine(name):  # AFFINE last: checked below
+                    assert args[-1] in ("false", "true"), name
+                    args = args[:-1]
                 if overlap_switch >= 0 and cluster:
                     # two rows a pass only for 16-bit layer norm with weight or bias and no
                     # residual, blocks of at most 512 threads (MIN_BLOCKS 3) and no overlap
@@ -752,6 +759,14 @@ def test_reachable_sets():
             if op in norm.CLUSTER_SWITCHES:
                 assert {switches(n) for n in clusters} == {switch_flags(op, sw, Variant.CLUSTER)
                                                            for sw in pol.switch_sets}
+            # the forward's warp and block-cache kernels: AFFINE where the call gives every
+            # parameter the norm has, for each residual setting
+            for kind in ("_warp<", "_block_smem<"):
+                got = {(switches(n), n[:-1].split(", ")[-1] == "true") for n in kernels
+                       if kind in n and takes_affine(n)}
+                if op not in BWD:
+                    assert got == {(switch_flags(op, sw), norm.affine(pol, sw))
+                                   for sw in pol.switch_sets}, (op, dt, kind)
             if op == "rms_norm":  # no bias (its kernels, ALGO 1, never read beta)
                 assert not any(sw.bias for sw in pol.switch_sets)
                 assert all(n.split(", ")[1] == "1" for n in kernels)

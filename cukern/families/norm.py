@@ -5,17 +5,18 @@ two headers only to keep each readable, both on ``kernels/norm.cuh``).
 Kernel signatures (group width and block size are read from the launch; the switches that
 are template arguments are the forward's RESIDUAL, which adds a read and a write, its cluster
 kernels' WEIGHT and BIAS, and the backward's WEIGHT, which sizes its column sums; the forward's
-warp and block kernels read weight and bias at run time, absent as null pointers, so one
-instantiation serves every Switches of a residual setting, while its clusters keep them as
-switches: run-time presence cost them 1-6 points of copy speed). Float32 weight and bias with
+warp and block kernels have AFFINE, every parameter given (``affine``), and otherwise read
+weight and bias at run time, absent as null pointers, so two instantiations serve every
+Switches of a residual setting, while its clusters keep them as switches: run-time presence
+cost 16-bit layer norm 1-10 points of copy speed). Float32 weight and bias with
 float16 or bfloat16 data (Switches.float32_params) run the uncached kernels with their type P =
 float, the only kernels instantiated for them (P defaults to T). The forward's cluster kernels
 of packs under 16 bytes (misaligned or odd rows) take the cluster's size at launch
 (``layer_norm_cluster_dyn``, ``Plan.launch_cluster``): one instantiation for every size, where
 16-byte packs keep it compiled in (docs/notes/kernels.md, "Cluster sizes set at launch")::
 
-    layer_norm_warp<T, ALGO, PACK, CPT, RPA, R>
-    layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP>
+    layer_norm_warp<T, ALGO, PACK, CPT, RPA, R, AFFINE>
+    layer_norm_block_smem<T, ALGO, PACK, R, OVERLAP, AFFINE>
     layer_norm_block_uncached<T, ALGO, PACK, R[, P]>
     layer_norm_cluster<T, ALGO, PACK, CLUSTER, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
     layer_norm_cluster_dyn<T, ALGO, PACK, W, B, R, OVERLAP, MIN_BLOCKS, ROWS>
@@ -33,7 +34,7 @@ import itertools
 from ..plan import CPP_TYPES, OpPolicy, Plan, Switches, Variant
 
 __all__ = ["POLICIES", "LAUNCH_CLUSTER_SIZES", "TEMPLATE_SWITCHES", "CLUSTER_SWITCHES",
-           "template_switches", "name_expression", "aux_kernels", "min_blocks"]
+           "template_switches", "affine", "name_expression", "aux_kernels", "min_blocks"]
 
 FORWARD, BACKWARD = "layer_norm", "layer_norm_grad"  # kernel sources
 # the cluster sizes layer_norm_cluster_dyn's reductions are compiled for (kernels/cluster.cuh)
@@ -67,6 +68,12 @@ def min_blocks(plan: Plan) -> int:
     return 3 if plan.threads <= 512 and not plan.overlap else 1
 
 
+def affine(pol: OpPolicy, sw: Switches) -> bool:
+    """Whether a forward call gives every parameter its norm has (the weight, and for layer
+    norm the bias): the warp and block-cache kernels' AFFINE, compiled with them present."""
+    return sw.weight and (sw.bias or pol.algo == 1)
+
+
 def name_expression(plan: Plan) -> str:
     pol, sw, v = plan.policy, plan.switches, plan.variant
     args = [CPP_TYPES[plan.dtype], pol.algo, plan.pack_size]
@@ -83,6 +90,8 @@ def name_expression(plan: Plan) -> str:
         args.append(_tf(plan.overlap))
         if v is Variant.CLUSTER:
             args += [min_blocks(plan), plan.rows_per_pass]
+    if not pol.col_sums and v in (Variant.WARP, Variant.BLOCK_SMEM):
+        args.append(_tf(affine(pol, sw)))
     if sw.float32_params:  # the parameters' type P (the uncached kernels only)
         args.append(CPP_TYPES["float32"])
     dyn = "_dyn" if plan.launch_cluster > 1 else ""
