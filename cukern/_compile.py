@@ -23,8 +23,8 @@ import re
 import threading
 from pathlib import Path
 
-__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "warm_cache", "NVRTC_OPTIONS",
-           "FORCE_FALLBACKS_ENV", "fallbacks_forced", "nvrtc_options"]
+__all__ = ["kernel_dir", "source", "get_kernel", "compile_check", "kernel_resources", "warm_cache",
+           "NVRTC_OPTIONS", "FORCE_FALLBACKS_ENV", "fallbacks_forced", "nvrtc_options"]
 
 NVRTC_OPTIONS = ("-std=c++17",)
 FORCE_FALLBACKS_ENV = "CUKERN_FORCE_FALLBACKS"
@@ -129,6 +129,55 @@ def compile_check(family: str, names, arch: str = "sm_90",
         return {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:
         nvrtc.destroyProgram(prog)
+
+
+RESOURCES = ("registers", "stack", "spill_stores", "spill_loads", "smem")
+_PTXAS_PROPS = re.compile(r"Function properties for (\S+)")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                          r"(\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def kernel_resources(family: str, names, arch: str = "sm_90",
+                     fallbacks: bool | None = None) -> dict[str, dict[str, int]]:
+    """Registers, stack frame, spill bytes and static shared memory (``RESOURCES``) of each of
+    ``names`` for ``arch``, from ptxas's report (``-Xptxas=-v``) at full optimisation, as the
+    ops compile them (:func:`compile_check` compiles at the fast-compile level): no GPU needed.
+    They depend on the NVRTC version; two trees compare only under the same one."""
+    from cupy.cuda import nvrtc
+
+    names = list(names)
+    prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, [*nvrtc_options(fallbacks), f"-arch={arch}",
+                                        "-Xptxas=-v"])
+        except nvrtc.NVRTCError as err:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"NVRTC failed for {family} on {arch}: {err}\n{log}") from None
+        by_symbol = {nvrtc.getLoweredName(prog, n): n for n in names}
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    out: dict[str, dict[str, int]] = {}
+    name = None
+    for line in log.splitlines():
+        if m := _PTXAS_PROPS.search(line):
+            name = by_symbol.get(m.group(1))
+            if name is not None:
+                out[name] = dict.fromkeys(RESOURCES, 0)
+        elif name is not None and (m := _PTXAS_STACK.search(line)):
+            out[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                             spill_loads=int(m.group(3)))
+        elif name is not None and (m := _PTXAS_USED.search(line)):
+            out[name].update(registers=int(m.group(1)), smem=int(m.group(2) or 0))
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise RuntimeError(f"ptxas reported no resources for {len(missing)} of {family}'s "
+                           f"kernels, the first {missing[0]}")
+    return out
 
 
 def _warm_one(item) -> str | None:

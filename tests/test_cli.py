@@ -1002,6 +1002,57 @@ def test_precompile_arch_without_gpu(monkeypatch):
     fails("precompile", "--arch", "sm_90", "--op", "conv", code=2, says="--op: unknown conv")
 
 
+def test_precompile_resources(monkeypatch, tmp_path):
+    """--resources prints ptxas's report per instantiation as JSON; --against lists those that
+    differ from an earlier report, with the values before and after."""
+    import json
+
+    from cukern import _compile
+
+    regs = {}
+
+    def report(family, names, arch):
+        return {n: dict(registers=regs.get(n, 40), stack=0, spill_stores=0, spill_loads=0,
+                        smem=256) for n in names}
+
+    monkeypatch.setattr(_compile, "kernel_resources", report)
+    args = ("precompile", "--arch", "sm_90", "--dtype", "float32", "--op", "softmax", "--jobs",
+            "1", "-q", "--resources")
+    first = json.loads(run(*args).stdout)
+    names = sorted(first["kernels"])
+    assert first["arch"] == "sm_90" and len(names) > 2
+    assert all(k["registers"] == 40 and k["smem"] == 256 for k in first["kernels"].values())
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(first))
+    same = run(*args, "--against", str(before))
+    assert same.stdout == "" and f"0 of {len(names)} instantiations in both differ" in same.stderr
+    regs[names[1]] = 43
+    changed = run(*args, "--against", str(before))
+    assert changed.stdout.strip() == f"{names[1]}: registers 40 -> 43"
+    assert f"1 of {len(names)} instantiations in both differ" in changed.stderr
+    fails("precompile", "--resources", code=2, says="--resources: needs --arch sm_XY")
+    fails(*args[:-1], "--against", str(before), code=2, says="give --resources too")
+    (tmp_path / "bad.json").write_text("{}")
+    fails(*args, "--against", str(tmp_path / "bad.json"), code=2,
+          says="not a report of precompile --resources")
+
+
+@pytest.mark.nvrtc
+def test_kernel_resources_reads_ptxas():
+    """kernel_resources: ptxas's registers and shared memory at full optimisation, no GPU."""
+    from cukern import _compile, registry
+
+    names = sorted(registry.kernel_names(["softmax"], ["float32"],
+                                         cukern.DeviceSpec.h100())["softmax"])
+    block = [n for n in names if "_block_uncached<" in n][:1]
+    res = _compile.kernel_resources("softmax", block, "sm_90")
+    assert set(res) == set(block)
+    (r,) = res.values()
+    assert set(r) == set(_compile.RESOURCES)
+    # the block all-reduce's static buffers: two of 32 warps' (max, sum) states of 8 bytes
+    assert 16 <= r["registers"] <= 255 and r["smem"] == 2 * 32 * 8
+
+
 def test_precompile_compiles_for_real():
     """NVRTC without a GPU, in two worker processes: a real compile of one small batch."""
     from cukern import registry

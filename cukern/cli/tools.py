@@ -256,7 +256,14 @@ def _selftest_line(row: dict) -> str:
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
               help="Compiler processes (default: one per CPU core).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def precompile_cmd(dtypes, ops, arch, device, jobs, quiet):
+@click.option("--resources", is_flag=True,
+              help="With --arch: print each instantiation's registers, stack frame, spill bytes "
+                   "and static shared memory as JSON (ptxas at full optimisation, as the ops "
+                   "compile them).")
+@click.option("--against", metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+              help="With --resources: print only the instantiations whose resources differ "
+                   "from FILE's (an earlier --resources output, e.g. of another tree).")
+def precompile_cmd(dtypes, ops, arch, device, jobs, quiet, resources, against):
     """Compile every kernel the planner can reach, so first calls are fast.
 
     \b
@@ -264,9 +271,17 @@ def precompile_cmd(dtypes, ops, arch, device, jobs, quiet):
     instantiation the planner can choose for the ops and dtypes given, on this
     GPU's architecture. With --arch sm_90 and no GPU, it compiles them with NVRTC
     for that architecture instead: a check that they build, which caches nothing.
+    With --resources it reports what ptxas gave each one (registers, stack,
+    spills, static shared memory); --against FILE lists those that changed since
+    FILE, e.g. of another tree under the same NVRTC, before measuring speed.
     """
     from .._device import DeviceSpec
 
+    if against is not None and not resources:
+        raise InputError("--against: compares the --resources report; give --resources too")
+    if resources and arch is None:
+        raise InputError("--resources: needs --arch sm_XY (ptxas's report, no GPU used)")
+    old = _resources_file(against) if against is not None else None
     dtype_list = _parse_list(dtypes, "--dtype", DTYPES)
     names = registry.names() if ops.strip().lower() == "all" else [
         o.replace("-", "_") for o in _parse_list(ops, "--op", None)]
@@ -296,7 +311,11 @@ def precompile_cmd(dtypes, ops, arch, device, jobs, quiet):
     label = f"compiling for {spec.arch}" if dev is None else f"compiling on GPU {dev}"
     jobs = jobs or os.cpu_count() or 1
     start = time.perf_counter()
-    done = _compile_all(work, arch, dev, jobs, label, _show_progress(quiet))
+    found = {} if resources else None
+    done = _compile_all(work, arch, dev, jobs, label, _show_progress(quiet), found)
+    if found is not None:
+        _report_resources(found, arch, old, against)
+        return
     if not quiet:
         what = "checked" if dev is None else "compiled"
         click.echo(f"{what} {done} of {count} kernel instantiations for {spec.arch} in "
@@ -311,9 +330,51 @@ def _parse_arch(arch: str) -> tuple[int, int]:
     return int(digits[:-1]), int(digits[-1])
 
 
-def _compile_all(work, arch, dev, jobs, label, show) -> int:
+def _resources_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        kernels = data["kernels"]
+        if not isinstance(kernels, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"--against {path}: not a report of precompile --resources") from None
+    return data
+
+
+def _report_resources(found: dict, arch: str, old: dict | None, against: str | None) -> None:
+    """Print the resources found as JSON, or (``old``) the instantiations that differ."""
+    from cupy.cuda import nvrtc
+
+    version = ".".join(map(str, nvrtc.getVersion()))
+    if old is None:
+        click.echo(json.dumps({"nvrtc": version, "arch": arch,
+                               "kernels": dict(sorted(found.items()))}, indent=1))
+        return
+    if (old.get("nvrtc"), old.get("arch")) != (version, arch):
+        click.echo(f"note: {against} is of NVRTC {old.get('nvrtc')} for {old.get('arch')}, "
+                   f"this of NVRTC {version} for {arch}: ptxas's choices differ between "
+                   f"versions", err=True)
+    before = old["kernels"]
+    changed = 0
+    for name in sorted(found):
+        was, now = before.get(name), found[name]
+        if was is None or was == now:
+            continue
+        changed += 1
+        diffs = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v)
+        click.echo(f"{name}: {diffs}")
+    common = sum(n in before for n in found)
+    click.echo(f"{changed} of {common} instantiations in both differ from {against}; "
+               f"{len(found) - common} only here, {len(set(before) - set(found))} only there",
+               err=True)
+
+
+def _compile_all(work, arch, dev, jobs, label, show, found: dict | None = None) -> int:
     """Compile ``work`` ((family, names) batches) in ``jobs`` processes (here when 1): with
-    NVRTC for ``arch``, or into CuPy's cache on GPU ``dev``. Returns how many compiled."""
+    NVRTC for ``arch``, or into CuPy's cache on GPU ``dev``. Returns how many compiled. With
+    ``found`` (NVRTC only), each instantiation's resources go into it
+    (:func:`cukern._compile.kernel_resources`)."""
     count = sum(len(ns) for _, ns in work)
     bar = click.progressbar(length=count, label=label, file=sys.stderr, show_pos=True) \
         if show else None
@@ -328,10 +389,11 @@ def _compile_all(work, arch, dev, jobs, label, show) -> int:
                 raise RunError(f"{len(errors)} of {count} kernels failed to compile; the first: "
                                f"{errors[0].splitlines()[0]}")
             return count
+        collect = found is not None
         if jobs == 1 or len(work) == 1:
             done = 0
             for fam, ns in work:
-                done += _compile_batch(fam, ns, arch, dev)
+                done += _take(_compile_batch(fam, ns, arch, dev, collect), found)
                 step(len(ns))
             return done
         import multiprocessing
@@ -340,10 +402,10 @@ def _compile_all(work, arch, dev, jobs, label, show) -> int:
         done = 0
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=ctx) as pool:
-            futures = {pool.submit(_compile_batch, fam, ns, arch, dev): len(ns)
+            futures = {pool.submit(_compile_batch, fam, ns, arch, dev, collect): len(ns)
                        for fam, ns in work}
             for fut in as_completed(futures):
-                done += fut.result()
+                done += _take(fut.result(), found)
                 step(futures[fut])
         return done
     finally:
@@ -351,11 +413,23 @@ def _compile_all(work, arch, dev, jobs, label, show) -> int:
             bar.render_finish()
 
 
-def _compile_batch(family: str, names: list[str], arch: str | None, dev: int | None) -> int:
+def _take(result, found: dict | None) -> int:
+    """A batch's count, its resources (a dict) added to ``found``."""
+    if isinstance(result, dict):
+        found.update(result)
+        return len(result)
+    return result
+
+
+def _compile_batch(family: str, names: list[str], arch: str | None, dev: int | None,
+                   resources: bool = False):
     """Compile one batch (in a worker process, or here): NVRTC only with ``arch``, else into
-    CuPy's cache through :func:`cukern._compile.get_kernel`."""
+    CuPy's cache through :func:`cukern._compile.get_kernel`. Returns how many, or with
+    ``resources`` (NVRTC) their resources by name."""
     from .. import _compile
 
+    if resources:
+        return _compile.kernel_resources(family, names, arch)
     if arch is not None:
         _compile.compile_check(family, names, arch)
     else:
