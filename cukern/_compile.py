@@ -113,6 +113,13 @@ def compile_check(family: str, names, arch: str = "sm_90",
     forced where ``fallbacks`` (None: the environment, :func:`nvrtc_options`), through ptxas to
     machine code at NVRTC's fast-compile level (:func:`check_options`). Returns name -> mangled
     symbol; raises ``RuntimeError`` with the compiler log on failure."""
+    symbols, _ = _nvrtc(family, names, arch, [*nvrtc_options(fallbacks), *check_options()])
+    return symbols
+
+
+def _nvrtc(family: str, names, arch: str, options) -> tuple[dict[str, str], str]:
+    """Compile ``names`` of ``kernels/<family>.cuh`` for ``arch`` with ``options``: name ->
+    mangled symbol, and the compiler's log."""
     from cupy.cuda import nvrtc
 
     names = list(names)
@@ -121,12 +128,11 @@ def compile_check(family: str, names, arch: str = "sm_90",
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            options = [*nvrtc_options(fallbacks), *check_options(), f"-arch={arch}"]
-            nvrtc.compileProgram(prog, options)
+            nvrtc.compileProgram(prog, [*options, f"-arch={arch}"])
         except nvrtc.NVRTCError as err:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"NVRTC failed for {family} on {arch}: {err}\n{log}") from None
-        return {n: nvrtc.getLoweredName(prog, n) for n in names}
+        return {n: nvrtc.getLoweredName(prog, n) for n in names}, nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -144,23 +150,9 @@ def kernel_resources(family: str, names, arch: str = "sm_90",
     ``names`` for ``arch``, from ptxas's report (``-Xptxas=-v``) at full optimisation, as the
     ops compile them (:func:`compile_check` compiles at the fast-compile level): no GPU needed.
     They depend on the NVRTC version; two trees compare only under the same one."""
-    from cupy.cuda import nvrtc
-
     names = list(names)
-    prog = nvrtc.createProgram(source(family), f"{family}.cu", [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, [*nvrtc_options(fallbacks), f"-arch={arch}",
-                                        "-Xptxas=-v"])
-        except nvrtc.NVRTCError as err:
-            log = nvrtc.getProgramLog(prog)
-            raise RuntimeError(f"NVRTC failed for {family} on {arch}: {err}\n{log}") from None
-        by_symbol = {nvrtc.getLoweredName(prog, n): n for n in names}
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    symbols, log = _nvrtc(family, names, arch, [*nvrtc_options(fallbacks), "-Xptxas=-v"])
+    by_symbol = {sym: n for n, sym in symbols.items()}
     out: dict[str, dict[str, int]] = {}
     name = None
     for line in log.splitlines():
