@@ -82,7 +82,8 @@ template <> __device__ __forceinline__ bf16 storage_one<bf16>() { return bf16{0x
 // How AffineStore has gamma or beta (its W and B): kAbsent, never read (gamma = 1, beta = 0);
 // kPresent, always read; kRuntime, read where the pointer is not null (null: absent).
 enum : int { kAbsent = 0, kPresent = 1, kRuntime = 2 };
-template <int ALGO, int W> constexpr int kBias = ALGO == kLayerNorm ? W : kAbsent;  // beta's
+// beta's presence beside gamma's W: the same for layer norm; RMS norm has no beta
+template <int ALGO, int W> constexpr int kBias = ALGO == kLayerNorm ? W : kAbsent;
 
 // y = v * gamma + beta for normalised values v, each factor optional. The warp and block
 // kernels have two instantiations (AFFINE): one for calls that give every parameter the norm

@@ -201,9 +201,8 @@ template <typename C> __device__ __forceinline__ MaxSum<C> allreduce_group(MaxSu
 // may still be reading from the previous call (a thread reaching the call after that has passed
 // the barrier of the one between). Every warp reduces the partials itself: no broadcast.
 // allreduce_block_into: the all-reduce given this call's buffer of one state a warp, `slots`.
-// allreduce_block's static buffers are picked by a constant stride (partial[phase & 1]): with the
-// block's warp count as the stride, ptxas allocated layer norm's backward clusters 43 registers
-// in place of 61 and their 16-bit rows of 32768-262144 ran 3-9 points of copy slower (H200).
+// allreduce_block picks its static buffer by a constant stride: a run-time stride changed the
+// register allocation of its callers (docs/notes/layer-norm-backward.md).
 template <typename S> __device__ __forceinline__ S allreduce_block_into(S v, S* slots) {
   const int tid = threadIdx.x + blockDim.x * threadIdx.y;
   const int warp = tid / 32, nwarps = (blockDim.x * blockDim.y + 31) / 32;
