@@ -1032,9 +1032,10 @@ def test_precompile_resources(monkeypatch, tmp_path):
     assert f"1 of {len(names)} instantiations in both differ" in changed.stderr
     fails("precompile", "--resources", code=2, says="--resources: needs --arch sm_XY")
     fails(*args[:-1], "--against", str(before), code=2, says="give --resources too")
-    (tmp_path / "bad.json").write_text("{}")
-    fails(*args, "--against", str(tmp_path / "bad.json"), code=2,
-          says="not a report of precompile --resources")
+    for bad in ("{}", "[1]", '{"kernels": {"k": 1}}', "not json"):
+        (tmp_path / "bad.json").write_text(bad)
+        fails(*args, "--against", str(tmp_path / "bad.json"), code=2,
+              says="not a report of precompile --resources")
 
 
 @pytest.mark.nvrtc

@@ -335,7 +335,7 @@ def _resources_file(path: str) -> dict:
         with open(path) as f:
             data = json.load(f)
         kernels = data["kernels"]
-        if not isinstance(kernels, dict):
+        if not (isinstance(kernels, dict) and all(isinstance(v, dict) for v in kernels.values())):
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         raise InputError(f"--against {path}: not a report of precompile --resources") from None
@@ -413,26 +413,26 @@ def _compile_all(work, arch, dev, jobs, label, show, found: dict | None = None) 
             bar.render_finish()
 
 
-def _take(result, found: dict | None) -> int:
-    """A batch's count, its resources (a dict) added to ``found``."""
-    if isinstance(result, dict):
-        found.update(result)
-        return len(result)
-    return result
+def _take(result: tuple[int, dict], found: dict | None) -> int:
+    """A batch's count, with its resources added to ``found`` (when collecting)."""
+    count, resources = result
+    if found is not None:
+        found.update(resources)
+    return count
 
 
 def _compile_batch(family: str, names: list[str], arch: str | None, dev: int | None,
                    resources: bool = False):
     """Compile one batch (in a worker process, or here): NVRTC only with ``arch``, else into
-    CuPy's cache through :func:`cukern._compile.get_kernel`. Returns how many, or with
-    ``resources`` (NVRTC) their resources by name."""
+    CuPy's cache through :func:`cukern._compile.get_kernel`. Returns how many, and with
+    ``resources`` (NVRTC) their resources by name (else nothing)."""
     from .. import _compile
 
     if resources:
-        return _compile.kernel_resources(family, names, arch)
+        return len(names), _compile.kernel_resources(family, names, arch)
     if arch is not None:
         _compile.compile_check(family, names, arch)
     else:
         for n in names:
             _compile.get_kernel(family, n, dev)
-    return len(names)
+    return len(names), {}
