@@ -5,12 +5,13 @@ For changes meant to cost no speed (a refactor, a kernel rewrite): every shape s
 within 1 point of % of copy.
 
     python benchmarks/bench_ab.py --base DIR [--rounds 3] [--quick] [--out benchmarks/results]
-        [--family softmax,norm] [--ops softmax,...] [--min-cols 65536] [--col-offset -1]
+        [--family softmax,norm] [--ops softmax,...] [--min-cols 65536] [--cols 2048,16384]
+        [--dtypes float32] [--col-offset -1]
 
-``--ops`` and ``--min-cols`` time a subset (the results of the other shapes are kept from the
-last run, as for ``--family``). ``--col-offset N`` times rows of N columns more than the sweep's
-(-1: odd rows, packs of one element); their rows join the same results (each row names its
-base tree), drawn dashed.
+``--ops``, ``--min-cols``, ``--cols`` and ``--dtypes`` time a subset (the results of the other
+shapes are kept from the last run, as for ``--family``). ``--col-offset N`` times rows of N
+columns more than the sweep's (-1: odd rows, packs of one element); their rows join the same
+results (each row names its base tree), drawn dashed.
 
 DIR holds the base tree's ``cukern/`` and ``kernels/`` (e.g. ``git archive REV | tar -x -C
 DIR``). Writes ab_<device>.json and .png and prints the table.
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--family", default="softmax,norm")
     ap.add_argument("--ops", default="", help="only these ops (labels, comma-separated)")
     ap.add_argument("--min-cols", type=int, default=0, help="only rows of at least this many")
+    ap.add_argument("--cols", default="", help="only these column counts (comma-separated)")
+    ap.add_argument("--dtypes", default="", help="only these dtypes (comma-separated)")
     ap.add_argument("--col-offset", type=int, default=0,
                     help="columns added to each of the sweep's (-1: odd rows)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -246,9 +249,13 @@ def main() -> None:
     base = load_base(args.base)
     fams = set(args.family.split(","))
     ops = set(args.ops.split(",")) if args.ops else None
+    only_cols = {int(c) for c in args.cols.split(",")} if args.cols else None
+    dtypes = set(args.dtypes.split(",")) if args.dtypes else None
     case_list = [c for c in cases(args.quick, args.col_offset) if c[0] in fams
                  and c[7] >= args.min_cols
-                 and (ops is None or c[1] in ops)]
+                 and (ops is None or c[1] in ops)
+                 and (only_cols is None or c[7] in only_cols)
+                 and (dtypes is None or c[6] in dtypes)]
     prewarm(base, case_list)
     prewarm(cukern, case_list)
     rows = run(base, case_list, args.rounds, args.reps)
