@@ -130,20 +130,22 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     if occ128 > 0:
         widest = block_threads_for(cols // pack, tune)
         widths = [t for t in (128,) + tune.block_sizes if t <= max(widest, 128)]
-        for threads in tune.block_sizes:
-            if threads <= widest and sized(threads)[1] == occ128:
-                candidate = sized(threads)[0]
-                break
-        else:  # registers leave every wider block fewer blocks: the most threads resident
-            candidate = sized(max(widths, key=lambda t: (sized(t)[1] * t, -t)))[0]
+        most = max(sized(t)[1] * t for t in widths)  # threads resident, the best width's
+        # OneFlow's width (the widest with the 128-thread occupancy) where it keeps the most
+        # threads resident; else (registers cut a wider block's count) the narrowest that does
+        threads = next((t for t in tune.block_sizes
+                        if t <= widest and sized(t)[1] == occ128), 128)
+        if sized(threads)[1] * threads < most:
+            threads = min(t for t in widths if sized(t)[1] * t == most)
+        candidate = sized(threads)[0]
         plan = replace(candidate, notes=(
             f"row cached in shared memory as {dtype} ({candidate.smem_bytes} bytes per block)",))
         if overlap:
-            return plan_overlap(plan, occ128, widest, device, occ, rows)
+            return plan_overlap(plan, sized(threads)[1], widest, device, occ, rows)
         # lone: at most lone_block_resident threads an SM with the width that keeps the most
         # (not only the one taken: registers can leave a wider block fewer blocks, more threads)
         if pol.split_lone_blocks and device.has_clusters and not strided and \
-                max(sized(t)[1] * t for t in widths) <= tune.lone_block_resident:
+                most <= tune.lone_block_resident:
             shared = plan_cluster(base, cols, pack, smem_per_col, device, occ, rows,
                                   shared_only=True, paired=paired)
             if shared is not None:
@@ -179,10 +181,10 @@ def _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune: Tunin
 
 def plan_overlap(plan: Plan, per_sm: int, widest: int, device: DeviceSpec, occ: Occupancy,
                  rows: int) -> Plan:
-    """A block kernel that may overlap its rows (Plan.overlap) does so where ``plan``
-    (OneFlow's blocks, ``per_sm`` resident an SM) leaves at most ``overlap_resident`` threads
-    on an SM: then the widest block the row allows that launches; a block alone on its SM
-    loops over rows in one wave. Numbers: docs/notes/layer-norm-forward.md."""
+    """A block kernel that may overlap its rows (Plan.overlap) does so where ``plan`` (the
+    block-width rule's blocks, ``per_sm`` resident an SM) leaves at most ``overlap_resident``
+    threads on an SM: then the widest block the row allows that launches; a block alone on its
+    SM loops over rows in one wave. Numbers: docs/notes/layer-norm-forward.md."""
     tune = tuning_for(device)
     if per_sm * plan.threads > tune.overlap_resident:
         return replace(plan, grid=num_blocks(device, plan.threads, rows))
