@@ -66,6 +66,16 @@ template <typename T, int PACK, bool CLUSTER> struct CachedRegs {
   static constexpr bool kHold = value >= 48 && sizeof(T) < 8;  // held row pointers (below)
 };
 
+// A cached block kernel's width: WIDTH compiled in (OpPolicy.fixed_widths), or 0: the
+// launch's blockDim.x. With it compiled in, a thread's packs are constant strides apart and the
+// register cap is what that width allows (__launch_bounds__(WIDTH)'s budget).
+template <int WIDTH> __device__ __forceinline__ int block_width() {
+  return WIDTH ? WIDTH : static_cast<int>(blockDim.x);
+}
+template <int WIDTH, int REGS> struct WidthRegs {
+  static constexpr int value = WIDTH == 0 ? REGS : (65536 / WIDTH > 255 ? 255 : 65536 / WIDTH);
+};
+
 #define CUKERN_LAYOUT_ARGS(p) i64 p##_outer, i64 p##_inner, i64 p##_col
 #define CUKERN_LAYOUT(p) Layout<STRIDED>{p##_outer, p##_inner, p##_col, inner}
 
@@ -278,11 +288,11 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
 
 // Pass 1 for one row: its packs [p0, p1) into shared memory; returns this thread's online
 // (max, sum) state.
-template <int PACK, bool HOLD, typename T, typename C, bool STRIDED>
+template <int PACK, bool HOLD, int WIDTH, typename T, typename C, bool STRIDED>
 __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
                                                   Pack<T, PACK>* cache, i64 row, int p0, int p1) {
   constexpr int U = 4;  // packs in flight per thread
-  const int stride = blockDim.x;
+  const int stride = block_width<WIDTH>();
   const Load<T, C, STRIDED> lr = held<HOLD>(ld.from_row(row));
   MaxSum<C> ms = MaxSum<C>::identity();
   // U packs a step, each guarded: a thread with fewer than U packs left still has all of them
@@ -312,16 +322,17 @@ __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
 // loop: each thread reads its next-row packs into registers and writes out its current-row
 // packs from the slots they then take over, so reads and writes stay in flight together and
 // blocks that started in step do not stay in step.
-template <int ALGO, int PACK, bool HOLD, typename T, typename C, bool STRIDED, typename Reduce>
+template <int ALGO, int PACK, bool HOLD, int WIDTH, typename T, typename C, bool STRIDED,
+          typename Reduce>
 __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
                                                const Store<C, T, STRIDED>& st, i64 rows, i64 row,
                                                i64 row_step, int p0, int p1, Reduce reduce) {
   typedef Pack<T, PACK> P;
   constexpr int U = 4;
-  const int stride = blockDim.x;
+  const int stride = block_width<WIDTH>();
   P* const cache = dynamic_smem<P>();
   if (row >= rows) return;  // uniform across the block (and the cluster)
-  MaxSum<C> ms = softmax_fill<PACK, HOLD>(ld, cache, row, p0, p1);
+  MaxSum<C> ms = softmax_fill<PACK, HOLD, WIDTH>(ld, cache, row, p0, p1);
   for (;;) {
     const i64 next = row + row_step;
     const bool more = next < rows;  // uniform
@@ -368,12 +379,12 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
   }
 }
 
-template <typename T, int ALGO, bool STRIDED, int PACK>
-__global__ void __maxnreg__((CachedRegs<T, PACK, false>::value))
+template <typename T, int ALGO, bool STRIDED, int PACK, int WIDTH>
+__global__ void __maxnreg__((WidthRegs<WIDTH, CachedRegs<T, PACK, false>::value>::value))
 softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                    CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
-  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, false>::kHold>(
+  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, false>::kHold, WIDTH>(
       Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
       blockIdx.x, gridDim.x, 0, cols / PACK, BlockReduce<true>());
 }
@@ -387,7 +398,7 @@ softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_A
   typedef typename Num<T>::compute C;
   int p0, p1;
   cluster_pack_range(cols / PACK, CLUSTER, cluster_rank(), p0, p1);
-  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, true>::kHold>(
+  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, true>::kHold, 0>(
       Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
       blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1,
       ClusterReduce<CLUSTER, sizeof(MaxSum<C>)>());
@@ -504,13 +515,13 @@ __device__ __forceinline__ void grad_store_pair(const Store<C, T, STRIDED>& sr,
 
 // Pass 1 for one row of the backward: y and dy packs [p0, p1) into shared memory; returns this
 // thread's part of the row sum of grad_term.
-template <int ALGO, int PACK, typename T, typename C, bool STRIDED>
+template <int ALGO, int PACK, int WIDTH, typename T, typename C, bool STRIDED>
 __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
                                                const Load<T, C, STRIDED>& ld_dy,
                                                Pack<T, PACK>* cache_y, Pack<T, PACK>* cache_dy,
                                                i64 row, int p0, int p1) {
   constexpr int U = 2;  // pairs of packs in flight per thread
-  const int stride = blockDim.x;
+  const int stride = block_width<WIDTH>();
   const Load<T, C, STRIDED> ly = held<kGradHold<T>>(ld_y.from_row(row));
   const Load<T, C, STRIDED> ldy = held<kGradHold<T>>(ld_dy.from_row(row));
   C s = C(0);
@@ -538,7 +549,7 @@ __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
 // Cached backward over rows row, row + row_step, ...: y then dy of packs [p0, p1) in shared
 // memory (`slice` packs apart). As in the forward, writing dx of one row and reading the next
 // row run as one loop.
-template <int ALGO, int PACK, typename T, typename C, bool STRIDED, typename Reduce>
+template <int ALGO, int PACK, int WIDTH, typename T, typename C, bool STRIDED, typename Reduce>
 __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& ld_y,
                                                     const Load<T, C, STRIDED>& ld_dy,
                                                     const Store<C, T, STRIDED>& st, i64 rows,
@@ -546,11 +557,11 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
                                                     int slice, Reduce reduce) {
   typedef Pack<T, PACK> P;
   constexpr int U = 2;
-  const int stride = blockDim.x;
+  const int stride = block_width<WIDTH>();
   P* const cache_y = dynamic_smem<P>();
   P* const cache_dy = cache_y + slice;
   if (row >= rows) return;  // uniform across the block (and the cluster)
-  C s = softmax_grad_fill<ALGO, PACK>(ld_y, ld_dy, cache_y, cache_dy, row, p0, p1);
+  C s = softmax_grad_fill<ALGO, PACK, WIDTH>(ld_y, ld_dy, cache_y, cache_dy, row, p0, p1);
   for (;;) {
     const i64 next = row + row_step;
     const bool more = next < rows;  // uniform
@@ -599,13 +610,13 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
   }
 }
 
-template <typename T, int ALGO, bool STRIDED, int PACK>
-__global__ void __launch_bounds__(1024)
+template <typename T, int ALGO, bool STRIDED, int PACK, int WIDTH>
+__global__ void __launch_bounds__(WIDTH ? WIDTH : 1024)
 softmax_grad_block_smem(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                         CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys),
                         CUKERN_LAYOUT_ARGS(dxs)) {
   typedef typename Num<T>::compute C;
-  softmax_grad_cached<ALGO, PACK>(
+  softmax_grad_cached<ALGO, PACK, WIDTH>(
       Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
       Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x, gridDim.x, 0, cols / PACK,
       cols / PACK, BlockReduce<true>());
@@ -682,7 +693,7 @@ softmax_grad_cluster(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inn
   const int num_packs = cols / PACK;
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
-  softmax_grad_cached<ALGO, PACK>(
+  softmax_grad_cached<ALGO, PACK, 0>(
       Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
       Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x / CLUSTER,
       gridDim.x / CLUSTER, p0, p1, (num_packs + CLUSTER - 1) / CLUSTER,

@@ -139,9 +139,22 @@ def test_block_size_follows_occupancy_rule():
     # Shared memory limits residency: 1024 threads keep the same number of blocks.
     p = plan_rowwise("softmax", 4096, 32768, "float32", H100)  # 128 KiB per block: 1 per SM
     assert p.variant is Variant.BLOCK_SMEM and p.block == (1024, 1)
+    assert p.name_expression() == "cukern::softmax_block_smem<float, 0, false, 4, 1024>"
     # Threads limit residency: 128 threads give 16 blocks, no larger block matches it.
     p = plan_rowwise("softmax", 4096, 2048, "float32", H100)
     assert p.block == (128, 1)
+    assert p.name_expression() == "cukern::softmax_block_smem<float, 0, false, 4, 0>"
+
+    # Registers limit residency (47 a thread, as float32 softmax at 16384 columns takes): 128
+    # and 256 threads fit 3 blocks of 64 KiB, 512 fit 2, 1024 one. OneFlow's rule (the widest
+    # with the 128-thread count) would take 256, 768 threads; the planner takes the narrowest
+    # width that keeps the most resident: 512, 1024 threads.
+    def regs47(plan):
+        by_regs = 65536 // (plan.threads // 32 * 48 * 32)
+        return min(H100.model_occupancy(plan.threads, plan.smem_bytes), by_regs)
+
+    p = plan_rowwise("softmax", 8192, 16384, "float32", H100, regs47)
+    assert p.variant is Variant.BLOCK_SMEM and p.block == (512, 1) and regs47(p) == 2
 
     # A driver that reports 0 blocks for anything makes the block kernel unusable.
     def none(plan):

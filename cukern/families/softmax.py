@@ -1,10 +1,11 @@
 """The softmax family (``kernels/softmax.cuh``): softmax and log-softmax, forward and backward,
 along any axis (strided kernels for columns that are not adjacent in memory).
 
-Kernel signatures (the group width, block size and padding are read from the launch)::
+Kernel signatures (the group width, block size and padding are read from the launch; WIDTH is
+a cached block's width where it is compiled in, ``OpPolicy.fixed_widths``, else 0)::
 
     softmax_warp<T, ALGO, STRIDED, PACK, CPT, RPA>      softmax_grad_warp<...same...>
-    softmax_block_smem<T, ALGO, STRIDED, PACK>          softmax_grad_block_smem<...>
+    softmax_block_smem<T, ALGO, STRIDED, PACK, WIDTH>   softmax_grad_block_smem<...>
     softmax_block_uncached<T, ALGO, STRIDED, PACK>      softmax_grad_block_uncached<...>
     softmax_cluster<T, ALGO, PACK, CLUSTER>             softmax_grad_cluster<...>
 """
@@ -16,6 +17,7 @@ from ..plan import CPP_TYPES, OpPolicy, Plan, Switches, Variant
 __all__ = ["POLICIES", "name_expression"]
 
 SOURCE = "softmax"
+FIXED_WIDTHS = (1024,)
 
 
 def _tf(flag: bool) -> str:
@@ -31,6 +33,8 @@ def name_expression(plan: Plan) -> str:
         args += [_tf(plan.strided), plan.pack_size]
         if plan.variant is Variant.WARP:
             args += [plan.cols_per_thread, plan.rows_per_access]
+        elif plan.variant is Variant.BLOCK_SMEM:
+            args.append(plan.threads if plan.threads in pol.fixed_widths else 0)
     return f"cukern::{pol.kernel}_{plan.variant.value}<{', '.join(map(str, args))}>"
 
 
@@ -39,7 +43,7 @@ def _policy(op: str, kernel: str, algo: int, inputs: int) -> OpPolicy:
     return OpPolicy(op=op, source=SOURCE, kernel=kernel, algo=algo, inputs=inputs,
                     tail_scratch_words=3 - inputs, tail_merge_words=3 - inputs,
                     tail_in_blocks=True, signature=name_expression,
-                    switch_sets=(Switches(),))
+                    switch_sets=(Switches(),), fixed_widths=FIXED_WIDTHS)
 
 
 POLICIES = {

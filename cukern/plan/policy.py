@@ -305,6 +305,8 @@ class OpPolicy:
     # cluster kernels whose packs are narrower than this many bytes take the cluster's size at
     # launch (Plan.launch_cluster): one instantiation for every size (0: never)
     cluster_at_launch_below: int = 0
+    # block widths compiled into the cached block kernels (their WIDTH; others read it at launch)
+    fixed_widths: tuple[int, ...] = ()
     # the family's signature: plan -> C++ name expression
     signature: Callable = field(default=None, repr=False, compare=False)
     # switch combinations this op's kernels were built for: the default first
