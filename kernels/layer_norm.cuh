@@ -67,20 +67,10 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     return v;
   }
   // A row's shift K (norm.cuh): the median of its first three values (columns clamped to the
-  // row), from the sector that the row's own first loads read anyway; the same in every block
-  // of a cluster. Without a residual, lane l of each warp loads value min(l, 2) and shuffles
-  // share them: one load a thread where three cost the 16-bit block kernels of 2048-8192
-  // columns 2-4 points of copy. (With a residual, ptxas then took 5-17 more registers in some
-  // kernels: three loads there.) Every lane of the warp calls it (the rows loops are uniform).
+  // row), loads of one sector that the row's own first loads read anyway; the same in every
+  // block of a cluster.
   __device__ __forceinline__ C shift(i64 row, int cols) const {
-    if constexpr (RESIDUAL) {
-      return median3(value(row, 0), value(row, min(1, cols - 1)), value(row, min(2, cols - 1)));
-    } else {
-      const int lane = static_cast<int>(lane_id());
-      const C v = value(row, min(min(lane, 2), cols - 1));
-      return median3(__shfl_sync(0xffffffffu, v, 0), __shfl_sync(0xffffffffu, v, 1),
-                     __shfl_sync(0xffffffffu, v, 2));
-    }
+    return median3(value(row, 0), value(row, min(1, cols - 1)), value(row, min(2, cols - 1)));
   }
 };
 
