@@ -72,14 +72,6 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
   __device__ __forceinline__ C shift(i64 row, int cols) const {
     return median3(value(row, 0), value(row, min(1, cols - 1)), value(row, min(2, cols - 1)));
   }
-  // shift() with one load a thread: lane l of each warp loads value min(l, 2), and shuffles
-  // share the three. Every lane of the warp calls it. The shuffles wait for the load: call it
-  // once the row's own loads are in flight (norm_rows' asynchronous copies).
-  __device__ __forceinline__ C shift_by_lanes(i64 row, int cols) const {
-    const C v = value(row, min(min(static_cast<int>(lane_id()), 2), cols - 1));
-    return median3(__shfl_sync(0xffffffffu, v, 0), __shfl_sync(0xffffffffu, v, 1),
-                   __shfl_sync(0xffffffffu, v, 2));
-  }
 };
 
 // 1 in a storage type, as bits (no conversion instruction).
@@ -414,16 +406,14 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       s[r] = C(0);
-      k[r] = C(0);
+      k[r] = SHIFT && has(r) ? ld.shift(row + r, cols) : C(0);
       if (!has(r)) continue;
       if constexpr (ASYNC) {
         const T* src = x + (row + r) * sx;
         for (int p = p0 + threadIdx.x; p < p1; p += stride) {
           cp_async<PACK * sizeof(T)>(cache(r).base + (p - p0) * PACK, src + p * PACK);
         }
-        if (SHIFT) k[r] = ld.shift_by_lanes(row + r, cols);  // the copies in flight meanwhile
       } else {
-        if (SHIFT) k[r] = ld.shift(row + r, cols);
         scan_packs<C, PACK, PACK, 4>(ld, row + r, p0, p1, [&](int p, const C* v) {
           cache(r).put(p - p0, v);
 #pragma unroll
