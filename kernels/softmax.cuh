@@ -9,7 +9,8 @@
 //                     from global memory (L2 often still holds it)
 // ALGO: 0 = softmax, 1 = log-softmax. STRIDED: general (outer, col, inner) addressing, PACK == 1.
 // Only what sizes a register array is a template argument; the group width (blockDim.x of the
-// warp kernel), the block size and padding are read at run time.
+// warp kernel), the block size and padding are read at run time, except a cached block kernel's
+// width where it is compiled in (WIDTH, below).
 #pragma once
 #include "cluster.cuh"
 

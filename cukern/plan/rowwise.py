@@ -5,7 +5,8 @@ uncached) with its thresholds, plus thread-block clusters for rows past one bloc
 memory. cukern's departures, each with its numbers in ``docs/notes/``: up to 16-byte packs;
 rows cached in their storage type with the full opt-in shared memory; clusters (plan_cluster);
 the warp kernel's short grids and grids without a cap of waves; a block width that keeps
-``packs_per_thread`` packs a thread; overlapping rows with a residual (plan_overlap). A
+``packs_per_thread`` packs a thread and the most threads resident; overlapping rows with a
+residual (plan_overlap). A
 backward that also sums over rows goes to ``col_sums.plan_col_sums``.
 """
 
