@@ -1074,4 +1074,6 @@ def test_kernels_of_64k_slices_have_no_static_buffers():
             else:
                 assert sizes[p.name_expression()] == 0, p
             if p.rows_per_pass == 1:  # 64 KiB of rows a block: three fit the 196 KiB step
-                assert 3 * per_block <= 200704, p
+                # (blocks of 1024 threads: two an SM at most, within the 132 KiB step)
+                resident = min(3, 2048 // p.threads)
+                assert resident * per_block <= (200704 if resident == 3 else 135168), p
