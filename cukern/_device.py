@@ -20,6 +20,8 @@ limits that do not depend on the compiled code:
 
 The model ignores registers: cukern's kernels are built for at most 64 registers a thread at
 128 threads and 32 at 1024 (``__launch_bounds__``), where registers do not limit residency.
+The planner's model (``plan.common.model_occupancy``) adds the one register limit it knows: a
+block kernel with its width compiled in may use that width's whole budget.
 """
 
 from __future__ import annotations

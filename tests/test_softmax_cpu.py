@@ -140,6 +140,12 @@ def test_block_size_follows_occupancy_rule():
     p = plan_rowwise("softmax", 4096, 32768, "float32", H100)  # 128 KiB per block: 1 per SM
     assert p.variant is Variant.BLOCK_SMEM and p.block == (1024, 1)
     assert p.name_expression() == "cukern::softmax_block_smem<float, 0, false, 4, 1024>"
+    # Shared memory and threads alone would fit two 1024-thread blocks of a 64 KiB row, but the
+    # width compiled in may use 64 registers a thread: one such block an SM (the model knows),
+    # so 512 threads, three blocks, keep the most resident.
+    p = plan_rowwise("softmax", 4096, 32768, "float16", H100)
+    assert p.block == (512, 1) and p.name_expression().endswith(", 0>")
+    assert planner.model_occupancy(H100)(planner.replace(p, block=(1024, 1))) == 1
     # Threads limit residency: 128 threads give 16 blocks, no larger block matches it.
     p = plan_rowwise("softmax", 4096, 2048, "float32", H100)
     assert p.block == (128, 1)

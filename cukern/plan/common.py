@@ -156,11 +156,22 @@ def replace(plan, **changes):
     return new
 
 
+REGISTERS_PER_SM = 65536  # every supported architecture (sm_70 and newer)
+
+
 def model_occupancy(device: DeviceSpec) -> Occupancy:
-    """Occupancy from the device model (threads and shared memory only)."""
+    """Occupancy from the device model (threads and shared memory), and for a block kernel with
+    its width compiled in (``OpPolicy.fixed_widths``) the register budget that width allows a
+    thread (``__launch_bounds__(width)``: one block of 1024 threads an SM)."""
 
     def occ(plan: Plan) -> int:
-        return device.model_occupancy(plan.threads, plan.smem_bytes)
+        n = device.model_occupancy(plan.threads, plan.smem_bytes)
+        pol = plan.policy
+        if plan.variant is Variant.BLOCK_SMEM and pol is not None and \
+                plan.threads in pol.fixed_widths:
+            per_thread = min(255, REGISTERS_PER_SM // plan.threads)
+            n = min(n, REGISTERS_PER_SM // (per_thread * plan.threads))
+        return n
 
     return occ
 
