@@ -11,7 +11,8 @@ within 1 point of % of copy.
 ``--ops``, ``--min-cols``, ``--cols`` and ``--dtypes`` time a subset (the results of the other
 shapes are kept from the last run, as for ``--family``). ``--col-offset N`` times rows of N
 columns more than the sweep's (-1: odd rows, packs of one element); their rows join the same
-results (each row names its base tree), drawn dashed.
+results (each row names its base tree), drawn dashed. Each row keeps its rounds' deltas
+(``round_deltas``).
 
 DIR holds the base tree's ``cukern/`` and ``kernels/`` (e.g. ``git archive REV | tar -x -C
 DIR``). Writes ab_<device>.json and .png and prints the table.
@@ -189,6 +190,9 @@ def run(base, case_list, rounds: int, reps: int) -> list[dict]:
                    copy_ms=ms["copy"], base_ms=ms["base"], new_ms=ms["new"],
                    base_pct=100 * ms["copy"] / ms["base"], new_pct=100 * ms["copy"] / ms["new"])
         row["delta"] = row["new_pct"] - row["base_pct"]
+        # each round's new - base (points of copy): how far one shape's runs spread
+        row["round_deltas"] = [round(100 * c / n - 100 * c / b, 2) for c, b, n in
+                               zip(times["copy"], times["base"], times["new"])]
         row["base_plan"], row["new_plan"] = (launch_shape(lib, case, rows)
                                              for lib in (base, cukern))
         rows_out.append(row)
@@ -196,7 +200,8 @@ def run(base, case_list, rounds: int, reps: int) -> list[dict]:
               f"{row['base_pct']:6.1f}%  new {row['new_pct']:6.1f}%  {row['delta']:+5.1f}",
               flush=True)
         if row["delta"] < -1:
-            print(f"    base {row['base_plan']}\n    new  {row['new_plan']}", flush=True)
+            print(f"    rounds {row['round_deltas']}\n    base {row['base_plan']}\n"
+                  f"    new  {row['new_plan']}", flush=True)
         del sets, calls
         cp.get_default_memory_pool().free_all_blocks()
     return rows_out
