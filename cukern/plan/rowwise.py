@@ -130,14 +130,17 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     candidate, occ128 = sized(128)
     if occ128 > 0:
         widest = block_threads_for(cols // pack, tune)
-        widths = [t for t in (128,) + tune.block_sizes if t <= max(widest, 128)]
-        most = max(sized(t)[1] * t for t in widths)  # threads resident, the best width's
         # OneFlow's width (the widest with the 128-thread occupancy) where it keeps the most
-        # threads resident; else (registers cut a wider block's count) the narrowest that does
+        # threads resident; else (registers cut a wider block's count) the narrowest that does.
+        # Other widths are asked (a compile each on a GPU) only where an SM has room left.
         threads = next((t for t in tune.block_sizes
                         if t <= widest and sized(t)[1] == occ128), 128)
-        if sized(threads)[1] * threads < most:
-            threads = min(t for t in widths if sized(t)[1] * t == most)
+        most = sized(threads)[1] * threads  # threads resident
+        if most < device.max_threads_per_sm:
+            widths = [t for t in (128,) + tune.block_sizes if t <= max(widest, 128)]
+            best = max(widths, key=lambda t: (sized(t)[1] * t, -t))
+            if sized(best)[1] * best > most:
+                threads, most = best, sized(best)[1] * best
         candidate = sized(threads)[0]
         plan = replace(candidate, notes=(
             f"row cached in shared memory as {dtype} ({candidate.smem_bytes} bytes per block)",))
