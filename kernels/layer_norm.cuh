@@ -55,6 +55,23 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     prefetch_l2(x.ptr + x.at.offset(row, col), count * sizeof(T));
     if (RESIDUAL) prefetch_l2(res.ptr + res.at.offset(row, col), count * sizeof(T));
   }
+  // A row's shift K (norm.cuh): the median of its first three values (columns clamped to the
+  // row), loads of one sector that the row's own first loads read anyway; the same in every
+  // block of a cluster. In two steps as load(): shift_fetch() issues the loads, shift_of()
+  // takes the median once the caller has issued its own loads behind them.
+  struct Shift {
+    Raw<1> v[3];
+  };
+  __device__ __forceinline__ Shift shift_fetch(i64 row, int cols) const {
+    return Shift{{fetch<1>(row, 0), fetch<1>(row, min(1, cols - 1)),
+                  fetch<1>(row, min(2, cols - 1))}};
+  }
+  __device__ __forceinline__ C shift_of(const Shift& s) const {
+    return median3(sum_of(s.v[0]), sum_of(s.v[1]), sum_of(s.v[2]));
+  }
+  __device__ __forceinline__ C shift(i64 row, int cols) const {
+    return median3(value(row, 0), value(row, min(1, cols - 1)), value(row, min(2, cols - 1)));
+  }
   // The value load() returns for column `col` of a row, without writing h.
   __device__ __forceinline__ C value(i64 row, int col) const {
     C v;
@@ -66,11 +83,13 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     }
     return v;
   }
-  // A row's shift K (norm.cuh): the median of its first three values (columns clamped to the
-  // row), loads of one sector that the row's own first loads read anyway; the same in every
-  // block of a cluster.
-  __device__ __forceinline__ C shift(i64 row, int cols) const {
-    return median3(value(row, 0), value(row, min(1, cols - 1)), value(row, min(2, cols - 1)));
+
+ private:
+  // x (+ residual, rounded to T) of a fetched column, without writing h
+  __device__ __forceinline__ C sum_of(const Raw<1>& r) const {
+    C v = pack_value(r.x, 0);
+    if (RESIDUAL) v = Num<T>::to(Num<T>::from(v + pack_value(r.res, 0)));
+    return v;
   }
 };
 
@@ -402,17 +421,41 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // whether the pass has row r (uniform across the block and the cluster)
   auto has = [&](int r) { return r == 0 || row + r < rows; };
   C k[R], s[R];  // each row's shift K (the same in every block) and this thread's sum
+  // Blocks of up to 256 threads read K from the cached row after a barrier (a block's slice
+  // starts at column 0) instead of loading it: layer norm float16 2048 columns (128 threads)
+  // +2.1 points of copy on the H200; blocks of 1024 threads lost 3-4 to the barrier.
+  constexpr bool CACHED_K = SHIFT && ASYNC && !Reduce::kCluster;
+  const bool cached_k = CACHED_K && stride <= 256;
+  // x + residual (not OVERLAP: its later rows load ahead on their own) through scan_fetched,
+  // one pack at a time (two in flight took 7-20 more registers and ran 1-5 points slower)
+  constexpr bool FETCHED = RESIDUAL && !OVERLAP;
   auto fill = [&]() {  // the pass's rows into the cache, and s
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       s[r] = C(0);
-      k[r] = SHIFT && has(r) ? ld.shift(row + r, cols) : C(0);
+      if constexpr (CACHED_K) {
+        k[r] = SHIFT && has(r) && !cached_k ? ld.shift(row + r, cols) : C(0);
+      } else if constexpr (FETCHED) {
+        k[r] = C(0);
+      } else {
+        k[r] = SHIFT && has(r) ? ld.shift(row + r, cols) : C(0);
+      }
       if (!has(r)) continue;
       if constexpr (ASYNC) {
         const T* src = x + (row + r) * sx;
         for (int p = p0 + threadIdx.x; p < p1; p += stride) {
           cp_async<PACK * sizeof(T)>(cache(r).base + (p - p0) * PACK, src + p * PACK);
         }
+      } else if constexpr (FETCHED) {
+        // K's loads and the first packs' are in flight together (the median waits on both)
+        const auto ks = ld.shift_fetch(row + r, cols);
+        scan_fetched<C, PACK, 1>(
+            ld, row + r, p0, p1, [&]() { k[r] = SHIFT ? ld.shift_of(ks) : C(0); },
+            [&](int p, const C* v) {
+              cache(r).put(p - p0, v);
+#pragma unroll
+              for (int i = 0; i < PACK; ++i) s[r] += norm_term<ALGO>(v[i], k[r]);
+            });
       } else {
         scan_packs<C, PACK, PACK, 4>(ld, row + r, p0, p1, [&](int p, const C* v) {
           cache(r).put(p - p0, v);
@@ -423,6 +466,17 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     }
     if constexpr (ASYNC) {
       cp_async_wait_all();
+      if (cached_k) {
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const T* c = cache(r).base;
+          if (has(r)) {
+            k[r] = median3(Num<T>::to(c[0]), Num<T>::to(c[min(1, cols - 1)]),
+                           Num<T>::to(c[min(2, cols - 1)]));
+          }
+        }
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (!has(r)) continue;

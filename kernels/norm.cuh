@@ -102,4 +102,40 @@ __device__ __forceinline__ void scan_packs(const L& ld, i64 row, int p0, int p1,
   }
 }
 
+// scan_packs over a loader with fetch() and finish() (x + residual, written to h): U packs'
+// loads issued before any is finished, since h's store (a volatile asm with a memory clobber)
+// keeps every later load behind it. `first()` runs once, after the first packs' loads are
+// issued (and for a thread with no pack): a value those packs' sums need whose loads went
+// before them.
+template <typename C, int PACK, int U, typename L, typename G, typename F>
+__device__ __forceinline__ void scan_fetched(const L& ld, i64 row, int p0, int p1, G&& first,
+                                             F&& f) {
+  typedef typename L::template Raw<PACK> Raw;
+  const int stride = blockDim.x;
+  int p = p0 + threadIdx.x;
+  bool started = false;
+  for (; p + (U - 1) * stride < p1; p += U * stride) {
+    Raw raw[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) raw[u] = ld.template fetch<PACK>(row, (p + u * stride) * PACK);
+    if (!started) first();
+    started = true;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      C v[PACK];
+      ld.template finish<PACK>(raw[u], v, row, (p + u * stride) * PACK);
+      f(p + u * stride, v);
+    }
+  }
+  for (; p < p1; p += stride) {
+    const Raw raw = ld.template fetch<PACK>(row, p * PACK);
+    if (!started) first();
+    started = true;
+    C v[PACK];
+    ld.template finish<PACK>(raw, v, row, p * PACK);
+    f(p, v);
+  }
+  if (!started) first();
+}
+
 }  // namespace cukern
