@@ -421,11 +421,10 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // whether the pass has row r (uniform across the block and the cluster)
   auto has = [&](int r) { return r == 0 || row + r < rows; };
   C k[R], s[R];  // each row's shift K (the same in every block) and this thread's sum
-  // Blocks of up to 256 threads read K from the cached row after a barrier (a block's slice
-  // starts at column 0) instead of loading it: layer norm float16 2048 columns (128 threads)
-  // +2.1 points of copy on the H200; blocks of 1024 threads lost 3-4 to the barrier.
-  constexpr bool CACHED_K = SHIFT && ASYNC && !Reduce::kCluster;
-  const bool cached_k = CACHED_K && stride <= 256;
+  // Block kernels over packs of 4 or more values load K's three values as one 4-value word (the
+  // row's first pack is aligned): one load a thread where three cost layer norm float16 3.7
+  // points of copy at 2048 columns on the H200.
+  constexpr bool VECTOR_K = SHIFT && ASYNC && !Reduce::kCluster && PACK >= 4;
   // x + residual (not OVERLAP: its later rows load ahead on their own) through scan_fetched,
   // one pack at a time (two in flight took 7-20 more registers and ran 1-5 points slower)
   constexpr bool FETCHED = RESIDUAL && !OVERLAP;
@@ -433,8 +432,13 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       s[r] = C(0);
-      if constexpr (CACHED_K) {
-        k[r] = SHIFT && has(r) && !cached_k ? ld.shift(row + r, cols) : C(0);
+      if constexpr (VECTOR_K) {
+        k[r] = C(0);
+        if (has(r)) {
+          const Pack<T, 4> q = {
+              *reinterpret_cast<const typename Pack<T, 4>::word_t*>(x + (row + r) * sx)};
+          k[r] = median3(pack_value(q, 0), pack_value(q, 1), pack_value(q, 2));
+        }
       } else if constexpr (FETCHED) {
         k[r] = C(0);
       } else {
@@ -466,17 +470,6 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     }
     if constexpr (ASYNC) {
       cp_async_wait_all();
-      if (cached_k) {
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const T* c = cache(r).base;
-          if (has(r)) {
-            k[r] = median3(Num<T>::to(c[0]), Num<T>::to(c[min(1, cols - 1)]),
-                           Num<T>::to(c[min(2, cols - 1)]));
-          }
-        }
-      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (!has(r)) continue;
