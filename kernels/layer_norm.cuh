@@ -400,7 +400,8 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)
 // (count, mean, M2) by Chan's formula once, in warp 0. The R rows share each all-reduce. Then y
 // from the cache, each pack's gamma and beta loaded once for the R rows. x alone, in packs of at
 // least 4 bytes, reaches the cache by asynchronous copies, all of a thread's packs in flight at
-// once; x + residual (written to h as it is cached) by loads U packs at a time.
+// once; x + residual (written to h as it is cached) by loads a pack at a time (scan_fetched:
+// h's store keeps later loads behind it), K's loads in flight beside the first pack's.
 //
 // OVERLAP (the planner's choice; R = 1): each thread loads the next row U packs ahead into
 // registers while it writes this row's y from the cache, and puts them in the slots it has just

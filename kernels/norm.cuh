@@ -16,8 +16,9 @@
 // y = ((x - K) - mean') * rstd lose digits to the offset, and a constant row gives var = 0 and
 // y = beta exactly. K is the median of the row's first three values (median3; columns clamped
 // to the row): the warp kernel takes them from lane 0's first pack (or the lanes holding them),
-// the block and cluster kernels load them, one sector the row's first loads read anyway and
-// the same three in every block of a row. The first value alone is not enough: an outlier there
+// the block and cluster kernels load them (block kernels over packs of 4 or more values as one
+// word), one sector the row's first loads read anyway and the same three in every block of a
+// row. The first value alone is not enough: an outlier there
 // (1e4 among values of 1e-3) made x - K round the rest of the row to the outlier's spacing
 // (1e-3 in float32), and mean, rstd and y lost the bulk's digits. One outlier among the three
 // is never their median (two still make K one). Values from the middle and end of the row
