@@ -18,16 +18,16 @@
 // to the row): the warp kernel takes them from lane 0's first pack (or the lanes holding them),
 // the block and cluster kernels load them (block kernels over packs of 4 or more values as one
 // word), one sector the row's first loads read anyway and the same three in every block of a
-// row. The first value alone is not enough: an outlier there
-// (1e4 among values of 1e-3) made x - K round the rest of the row to the outlier's spacing
-// (1e-3 in float32), and mean, rstd and y lost the bulk's digits. One outlier among the three
-// is never their median (two still make K one). Values from the middle and end of the row
-// would be as good a sample but cost a row a memory latency before its sums can start (1-2
-// points of copy speed at 2048-32768 columns); a sample's mean would cost a reduction and is
-// no value of the row (a constant row would no longer give var = 0 exactly). Half and bfloat16
-// rows, once summed, are normalised as x - (K + mean') in one operation: the rounding of
-// K + mean' to float is far below their spacing (a representable deviation from a mean m is at
-// least m * 2^-11). RMS norm needs no mean, and a sum of squares has no cancellation.
+// row. The first value alone is not enough: an outlier there (1e4 among values of 1e-3) made
+// x - K round the rest of the row to the outlier's spacing (1e-3 in float32), and mean, rstd
+// and y lost the bulk's digits. One outlier among the three is never their median (two still
+// make K one). Values from the middle and end of the row would be as good a sample but cost a
+// row a memory latency before its sums can start (1-2 points of copy speed at 2048-32768
+// columns); a sample's mean would cost a reduction and is no value of the row (a constant row
+// would no longer give var = 0 exactly). Half and bfloat16 rows, once summed, are normalised
+// as x - (K + mean') in one operation: the rounding of K + mean' to float is far below their
+// spacing (a representable deviation from a mean m is at least m * 2^-11). RMS norm needs no
+// mean, and a sum of squares has no cancellation.
 // Statistics and all sums are in the compute type (float for half, bfloat16 and float; double
 // for double), as are the dgamma/dbeta partial sums.
 //
