@@ -8,14 +8,16 @@ sample of the result against a direct GPU call. A second, smaller run keeps both
 
     python benchmarks/cli_chunked.py [--gb 24] [--cols 4096] [--dtype float16] [--dir DIR]
 
-Writes benchmarks/results/cli_chunked_<gpu>.json, appends a row per run to history.csv (% of
-copy: of pinned PCIe copies both ways at once) and prints the table. What it measured:
-docs/notes/cli-streaming.md.
+Writes benchmarks/results/cli_chunked_<gpu>.json and .png, appends a row per run to
+history.csv (% of copy: of pinned PCIe copies both ways at once) and prints the table. What it
+measured: docs/notes/cli-streaming.md. ``--plot FILE.json`` redraws a saved result's PNG
+(no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -142,7 +144,15 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="folder for the files (default: the temp dir)")
     ap.add_argument("--shm-gb", type=float, default=8.0, help="size of the /dev/shm run (0: skip)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of a saved result")
     args = ap.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            report = json.load(f)
+        png = os.path.splitext(args.plot)[0] + ".png"
+        plot(report, png)
+        print(f"wrote {png}")
+        return
 
     spec = DeviceSpec.from_device()
     run = _results.Run(args.out, "cli_chunked", spec.name)
@@ -164,10 +174,38 @@ def main() -> None:
     report = dict(gpu_free_gb=free_gpu / 1e9, gpu_total_gb=total_gpu / 1e9,
                   disk_free_gb=disk_free / 1e9, pcie_gbps=pcie, runs=runs,
                   cupy=cp.__version__, cukern=cukern.__version__)
+    plot(run.stamp(report), run.png_path)
     run.save(report)
     n = run.append(history_rows(report))
     print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
     print(table(spec.name, report))
+
+
+def plot(report: dict, path: str) -> None:
+    """Bars: GB/s of each run end to end beside the pinned PCIe copies (the ceiling)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pcie = report["pcie_gbps"]
+    labels = ["PCIe\nhost to device", "PCIe\ndevice to host", "PCIe\nboth at once"]
+    values = [pcie["h2d"], pcie["d2h"], pcie["both"]]
+    for r in report["runs"]:
+        labels.append(f"cukern softmax\nfiles: {r['label']}\n{r['input_gb']:.0f} GB "
+                      f"{r['dtype']}")
+        values.append(r["run_gbps"])
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(values), 3.6))
+    bars = ax.bar(range(len(values)), values,
+                  color=["#9a9a9a"] * 3 + ["#1f77b4"] * len(report["runs"]))
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    ax.set_ylabel("GB/s (input read + output written)", fontsize=8)
+    ax.set_title(f"{report.get('device', '')}: out-of-core softmax against pinned PCIe copies "
+                 f"({report.get('commit', '')})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def history_rows(report: dict) -> list[dict]:
