@@ -212,8 +212,9 @@ def check_train(tmp_path, xs, axis, p, *, rows=None, momentum=None, addend=None,
     assert got.dtype == work and got.shape == xs.shape
     if work == np.float64:
         np.testing.assert_allclose(got, y, rtol=rtol, atol=rtol)
-    else:  # within one rounding to the file's dtype
-        spacing = np.abs(y) * float(ml_dtypes.finfo(work).eps)
+    else:  # within one rounding to the file's dtype: a relative ulp, the subnormal step below
+        fi = ml_dtypes.finfo(work)
+        spacing = np.maximum(np.abs(y) * float(fi.eps), float(fi.smallest_subnormal))
         assert np.all(np.abs(got.astype(np.float64) - y) <= spacing + rtol)
     s = np.load(stats if stats is not None else tmp_path / "y.stats.npz")
     _, var = reference.batch_stats(xs.astype(work), axis=axis)
