@@ -568,3 +568,24 @@ def test_cli_workers_errors_leave_nothing(tmp_path, rng):
                          [as_rows(y, 50, 9, 1)], device="cpu", chunk_rows=10, workers=2)
     assert leftovers(tmp_path) == [] and not (tmp_path / "z.npy").exists()
     assert not (tmp_path / "y.npy").exists()
+
+
+def test_cli_workers_keep_quiet_beside_another_cluster(tmp_path, rng):
+    """With the dashboard's usual port 8787 taken (a notebook's cluster), --workers warns of
+    nothing: its scheduler's HTTP server takes a free port."""
+    import socket
+
+    pytest.importorskip("distributed")
+    x = save(tmp_path / "x.npy", rng.standard_normal((20, 9)).astype(np.float32))
+    with contextlib.ExitStack() as stack:
+        holder = stack.enter_context(socket.socket())
+        with contextlib.suppress(OSError):  # already taken: the same test
+            holder.bind(("", 8787))
+            holder.listen()
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        run("softmax", x, "-o", tmp_path / "y.npy", "--workers", "2", "--device", "cpu", "-q")
+    said = [str(w.message) for w in caught if "in use" in str(w.message)]
+    assert said == []
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"),
+                               reference.softmax(np.load(x).astype(np.float64)), rtol=1e-6)

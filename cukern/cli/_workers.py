@@ -145,7 +145,10 @@ def _client(workers: int | None, scheduler: str | None, device):
             raise InputError(f"--scheduler {scheduler}: {err}") from None
         except OSError as err:
             raise RunError(f"--scheduler {scheduler}: cannot connect ({err})") from None
-    quiet = dict(dashboard_address=None, silence_logs=logging.CRITICAL)
+    # No dashboard; the scheduler's HTTP server (which starts anyway) on a free port: its
+    # default, 8787, warns on stderr when a notebook's cluster holds it
+    quiet = dict(dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
+                 silence_logs=logging.CRITICAL)
     if device == "cpu":
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, **quiet)
         return Client(cluster), cluster
