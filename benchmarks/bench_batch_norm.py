@@ -243,13 +243,7 @@ def sweep(modes, dtypes, shape_list, reps: int, peers=("torch", "jax"),
                     results[-1]["plan"] = _plan_text(mode, shape, name, layout)
             print(_line(results, row), flush=True)
             del sets, fns
-            cp.get_default_memory_pool().free_all_blocks()
-            try:
-                import torch
-
-                torch.cuda.empty_cache()
-            except ImportError:
-                pass
+            _bench.free_memory()
     return results
 
 

@@ -254,13 +254,7 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
                 if label == "cukern":
                     results[-1]["variant"] = _ran_variant(op)
             del sets, fns
-            cp.get_default_memory_pool().free_all_blocks()
-            try:
-                import torch
-
-                torch.cuda.empty_cache()
-            except ImportError:
-                pass
+            _bench.free_memory()
     return results
 
 

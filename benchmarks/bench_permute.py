@@ -164,16 +164,6 @@ def _time(fn, sync, n_sets: int, reps: int) -> float:
     return _bench.time_wall(lambda: fn(next(calls) % n_sets), sync, 1, reps)
 
 
-def _free_peers() -> None:
-    cp.get_default_memory_pool().free_all_blocks()
-    try:
-        import torch
-
-        torch.cuda.empty_cache()
-    except ImportError:
-        pass
-
-
 def measure(group, label, shape, axes, name, reps, peers, ab=()) -> list[dict]:
     """One shape and dtype: the copy, cukern and each peer (``ab``: switches of
     _permute_regs.SWITCHES; and cukern's gather phase 2 where its plan takes one), rows as
@@ -235,7 +225,7 @@ def measure(group, label, shape, axes, name, reps, peers, ab=()) -> list[dict]:
         if r["peer"] == "cukern":
             r.update(variant=variant, plan=plan)
     del timers, s
-    _free_peers()
+    _bench.free_memory()
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -25,7 +26,7 @@ import numpy as np
 from . import registry
 
 __all__ = ["sweep", "plot", "time_gpu", "time_wall", "jax_pipelined", "host_overhead_us", "OPS",
-           "default_cols"]
+           "default_cols", "free_memory"]
 
 # The ops benchmarks/bench_softmax.py sweeps by default: the softmax family and permute
 # (sweep() itself times every op of the registry).
@@ -168,6 +169,17 @@ def warm_up(seconds: float = 1.0) -> None:
     del a, b
 
 
+def free_memory() -> None:
+    """Returns the cached blocks of CuPy's pool and, where PyTorch is loaded, of its allocator
+    (peers' results and out= buffers) to the driver before the next shape."""
+    import cupy as cp
+
+    cp.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
 SMALL_BYTES = 64 * 2**20  # arrays up to this size are timed in SMALL_ROUNDS rounds
 SMALL_ROUNDS = 3
 
@@ -186,7 +198,6 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int] | None = None
     Arrays up to SMALL_BYTES run in a few microseconds, where a passing slowdown of the GPU
     moves one median by 5%: the copy and every peer are timed in SMALL_ROUNDS interleaved
     rounds, and each keeps its best round."""
-    import cupy as cp
 
     from . import _bench_ops
     from ._explain import dtype_name
@@ -246,14 +257,7 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int] | None = None
                 if progress:
                     progress(results[-1])
         del sets, made
-        cp.get_default_memory_pool().free_all_blocks()
-        if "torch" in vs:
-            try:
-                import torch
-
-                torch.cuda.empty_cache()  # its out= buffers, before the next shape
-            except ImportError:
-                pass
+        free_memory()
     return results
 
 
