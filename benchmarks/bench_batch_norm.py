@@ -225,12 +225,8 @@ def sweep(modes, dtypes, shape_list, reps: int, peers=("torch", "jax"),
                     if who == "cukern_two_pass":  # the same calls, planned without one read
                         with obn.tuned(bn_one_read_max_bytes=0):
                             ms = _bench.time_gpu(fn, n_sets, reps)
-                    elif sync is not None:  # JAX on its own streams: wall clock, pipelined
-                        calls = itertools.count()
-                        ms = _bench.time_wall(lambda f=fn: f(next(calls) % n_sets), sync, 1,
-                                              reps)
-                    else:
-                        ms = _bench.time_gpu(fn, n_sets, reps)
+                    else:  # JAX (sync given) by the wall clock, pipelined
+                        ms = _bench.time_peer(fn, sync, n_sets, reps)
                 except Exception as err:  # a peer that cannot run a shape is reported
                     results.append(dict(row, peer=who, ms=float("nan"), gbps=float("nan"),
                                         pct_copy=float("nan"), error=str(err)[:200]))

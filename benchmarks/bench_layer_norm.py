@@ -32,7 +32,6 @@ docs/notes/layer-norm-forward.md and layer-norm-backward.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -226,24 +225,20 @@ def sweep(op: str, dtypes, cols_list, reps: int, peers=("torch", "jax")) -> list
                                 pct_copy=100.0))
             n_sets = _bench._sets(moved)
             sets = _inputs(op, rows, cols, dtype, n_sets)
-            fns = [(label, fn, "cupy", None) for label, fn in _cukern_fns(op, sets, cols).items()]
+            fns = [(label, fn, None) for label, fn in _cukern_fns(op, sets, cols).items()]
             for peer in peers:
                 try:
                     if peer == "torch":
-                        fns.append(("torch", _torch_fn(op, sets, cols), "torch", None))
+                        fns.append(("torch", _torch_fn(op, sets, cols), None))
                     elif peer == "jax":
                         run, sync = _jax_fn(op, sets, cols)
-                        fns.append(("jax", run, "wall", sync))
+                        fns.append(("jax", run, sync))
                 except ImportError:
                     continue
-            for label, fn, events, sync in fns:
+            for label, fn, sync in fns:
                 try:
-                    if events == "wall":  # JAX runs on its own streams: wall clock, batched
-                        calls = itertools.count()
-                        ms = _bench.time_wall(lambda f=fn: f(next(calls) % n_sets), sync, 1,
-                                              reps)
-                    else:  # CuPy and PyTorch share the legacy default stream: device events
-                        ms = _bench.time_gpu(fn, n_sets, reps)
+                    # JAX (sync given) by the wall clock, pipelined; CuPy and PyTorch by events
+                    ms = _bench.time_peer(fn, sync, n_sets, reps)
                 except Exception as err:  # a peer that cannot run a shape is reported
                     results.append(dict(row, peer=label, ms=float("nan"), gbps=float("nan"),
                                         pct_copy=float("nan"), error=str(err)[:200]))

@@ -157,13 +157,6 @@ def _peer_fn(peer: str, s: Sets):
     raise ValueError(f"unknown peer {peer!r}")
 
 
-def _time(fn, sync, n_sets: int, reps: int) -> float:
-    if sync is None:
-        return _bench.time_gpu(fn, n_sets, reps)
-    calls = itertools.count()  # JAX on its own streams: wall clock, pipelined
-    return _bench.time_wall(lambda: fn(next(calls) % n_sets), sync, 1, reps)
-
-
 def measure(group, label, shape, axes, name, reps, peers, ab=()) -> list[dict]:
     """One shape and dtype: the copy, cukern and each peer (``ab``: switches of
     _permute_regs.SWITCHES; and cukern's gather phase 2 where its plan takes one), rows as
@@ -201,7 +194,7 @@ def measure(group, label, shape, axes, name, reps, peers, ab=()) -> list[dict]:
             if who in errors:
                 continue
             try:
-                ms = _time(fn, sync, n_sets, reps)
+                ms = _bench.time_peer(fn, sync, n_sets, reps)
             except Exception as err:  # a peer that cannot run a shape is reported
                 if who == "cukern":
                     raise

@@ -15,6 +15,7 @@ CuPy's copy of ``x.T`` (``--vs cupy``) and JAX's jitted transpose;
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -26,7 +27,7 @@ import numpy as np
 from . import registry
 
 __all__ = ["sweep", "plot", "time_gpu", "time_wall", "jax_pipelined", "host_overhead_us", "OPS",
-           "default_cols", "free_memory"]
+           "default_cols", "free_memory", "time_peer"]
 
 # The ops benchmarks/bench_softmax.py sweeps by default: the softmax family and permute
 # (sweep() itself times every op of the registry).
@@ -113,6 +114,17 @@ def time_wall(fn: Callable[[], object], sync: Callable[[], None], per_call: int,
         sync()
         times.append((time.perf_counter() - t0) * 1e3 / (batch * per_call))
     return statistics.median(times)
+
+
+def time_peer(fn: Callable[[int], object], sync: Callable[[], None] | None, n_sets: int,
+              reps: int) -> float:
+    """Median ms of ``fn(i)``: by device events (:func:`time_gpu`) where ``sync`` is None
+    (CuPy and PyTorch, on CuPy's stream), else by the wall clock over pipelined calls, ``sync``
+    waiting for the last (JAX, on its own streams)."""
+    if sync is None:
+        return time_gpu(fn, n_sets, reps)
+    calls = itertools.count()
+    return time_wall(lambda: fn(next(calls) % n_sets), sync, 1, reps)
 
 
 def _sets(nbytes: int) -> int:

@@ -266,9 +266,11 @@ def test_tiles_cover_every_row_once():
 # Atomic outputs, refusals
 
 
-def _fail_on_call(monkeypatch, n: int, exc: BaseException):
-    """Make reference.softmax raise ``exc`` on its n-th call (the n-th chunk)."""
-    real = reference.softmax
+def fail_on_call(monkeypatch, n: int, exc: BaseException, module=reference,
+                 name: str = "softmax"):
+    """Make ``module.name`` (the CPU path's reference.softmax by default) raise ``exc`` on its
+    n-th call (the n-th chunk); returns the list its calls are counted in."""
+    real = getattr(module, name)
     calls = []
 
     def flaky(*args, **kwargs):
@@ -277,13 +279,13 @@ def _fail_on_call(monkeypatch, n: int, exc: BaseException):
             raise exc
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reference, "softmax", flaky)
+    monkeypatch.setattr(module, name, flaky)
     return calls
 
 
 def test_failure_mid_run_leaves_nothing(tmp_path, x, monkeypatch):
     before = digest(x)
-    calls = _fail_on_call(monkeypatch, 2, RuntimeError("injected failure"))
+    calls = fail_on_call(monkeypatch, 2, RuntimeError("injected failure"))
     out = tmp_path / "y.npy"
     fails("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", code=1,
           says="RuntimeError: injected failure")
@@ -293,7 +295,7 @@ def test_failure_mid_run_leaves_nothing(tmp_path, x, monkeypatch):
 
 
 def test_interrupt_leaves_nothing(tmp_path, x, monkeypatch):
-    _fail_on_call(monkeypatch, 3, KeyboardInterrupt())
+    fail_on_call(monkeypatch, 3, KeyboardInterrupt())
     out = tmp_path / "y.npy"
     result = run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", code=130)
     assert "Aborted" in result.stderr
@@ -367,7 +369,7 @@ def test_failed_overwrite_keeps_the_old_output(tmp_path, x, monkeypatch):
     out = tmp_path / "y.npy"
     run("softmax", x, "-o", out, "--device", "cpu")
     old = digest(out)
-    _fail_on_call(monkeypatch, 2, RuntimeError("boom"))
+    fail_on_call(monkeypatch, 2, RuntimeError("boom"))
     run("softmax", x, "-o", out, "--device", "cpu", "--chunk-rows", "5", "--overwrite", code=1)
     assert digest(out) == old and leftovers(tmp_path) == []
 

@@ -16,7 +16,7 @@ from cukern import reference
 from cukern.cli import common as cli
 
 from .conftest import DTYPES, TOL
-from .test_cli import _fake_gpu, bf16, bits, digest, fails, leftovers, run, save
+from .test_cli import _fake_gpu, bf16, bits, digest, fail_on_call, fails, leftovers, run, save
 
 HAS_BN_REF = all(hasattr(reference, n) for n in ("batch_norm", "batch_stats"))
 HAS_BN = all(hasattr(cukern, n) for n in ("batch_norm", "batch_stats"))
@@ -319,24 +319,11 @@ def test_chan_merge_is_exact():
 # Atomic outputs, refusals, errors
 
 
-def _fail_on_call(monkeypatch, name: str, n: int):
-    real = getattr(reference, name)
-    calls = []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise RuntimeError(f"injected in {name}")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(reference, name, flaky)
-    return calls
-
-
 @pytest.mark.parametrize("where", ["batch_stats", "batch_norm"])
 def test_failure_mid_run_leaves_nothing(tmp_path, bn, monkeypatch, where):
     before = [digest(bn[k]) for k in ("x", "p")]
-    calls = _fail_on_call(monkeypatch, where, 2)
+    calls = fail_on_call(monkeypatch, 2, RuntimeError(f"injected in {where}"), reference,
+                         where)
     out = tmp_path / "y.npy"
     fails("batch-norm", bn["x"], "-o", out, "--params", bn["p"], "--train", "--device", "cpu",
           "--chunk-rows", "5", code=1, says=f"injected in {where}")

@@ -18,7 +18,7 @@ from cukern import registry
 from cukern.cli import common as cli
 from cukern.cli import permute as permute_mod
 
-from .test_cli import _fake_cupy, _fake_gpu, bf16, digest, fails, leftovers, run, save
+from .test_cli import _fake_cupy, _fake_gpu, bf16, digest, fail_on_call, fails, leftovers, run, save
 
 HAS_PERMUTE = hasattr(cukern, "permute")
 needs_gpu_permute = pytest.mark.skipif(not HAS_PERMUTE, reason="cukern has no permute yet")
@@ -298,17 +298,7 @@ def test_file_errors(tmp_path, rng):
 
 def _fail_on_call(monkeypatch, n: int, exc: BaseException):
     """Make the CPU path's permutation raise ``exc`` on its n-th call (the n-th chunk)."""
-    real = permute_mod._host_permute
-    calls = []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise exc
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(permute_mod, "_host_permute", flaky)
-    return calls
+    return fail_on_call(monkeypatch, n, exc, permute_mod, "_host_permute")
 
 
 @pytest.mark.parametrize("axes,n", [("0,2,1", 3), ("2,0,1", 1)])
