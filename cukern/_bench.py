@@ -210,7 +210,6 @@ def sweep(op: str, dtypes: Iterable[str], cols_list: Iterable[int] | None = None
     Arrays up to SMALL_BYTES run in a few microseconds, where a passing slowdown of the GPU
     moves one median by 5%: the copy and every peer are timed in SMALL_ROUNDS interleaved
     rounds, and each keeps its best round."""
-
     from . import _bench_ops
     from ._explain import dtype_name
 
