@@ -118,11 +118,13 @@ __device__ __forceinline__ void add_row_terms(Sums<C, K>& s, C g, C xhat) {
 // dx for one element, given the row sums: rs * (g - mean(g) - xhat * mean(g * xhat)) as two fused
 // multiply-adds, rs * g + (xhat * b + a) with a = -rs * mean(g), b = -rs * mean(g * xhat). A layer
 // norm over one column has dx = 0 exactly (x - mean = 0): its row takes r = 0, since the FMA
-// would keep rs * g's rounding error, amplified by rs = 1 / sqrt(eps).
-template <bool LAYER, typename C, int K> struct GradX {
+// would keep rs * g's rounding error, amplified by rs = 1 / sqrt(eps). ONE: the kernel may see
+// rows of one column; the cached kernels (rows past the warp kernel's 512 or 1024 columns) skip
+// the test, which sat on each row's path (without it their SASS is 60a9db0's again).
+template <bool LAYER, typename C, int K, bool ONE = true> struct GradX {
   C m, rs, a, b;
   __device__ __forceinline__ GradX(const Sums<C, K>& s, C m_, C rs_, C inv_cols)
-      : GradX(s, m_, LAYER && inv_cols == C(1) ? C(0) : rs_, inv_cols, 0) {}
+      : GradX(s, m_, ONE && LAYER && inv_cols == C(1) ? C(0) : rs_, inv_cols, 0) {}
   __device__ __forceinline__ GradX(const Sums<C, K>& s, C m_, C r, C inv_cols, int)
       : m(m_), rs(r), a(LAYER ? -r * (s.v[K - 1] * inv_cols) : C(0)),
         b(-r * (s.v[0] * inv_cols)) {}
@@ -417,7 +419,7 @@ __device__ __forceinline__ void grad_rows(const PairLoad<T, C>& ld, const SL& sl
                                       s);
       });
     }
-    const GradX<LAYER, C, NSUM> gx(reduce(s, row + step >= rows), m, rs, inv_cols);
+    const GradX<LAYER, C, NSUM, false> gx(reduce(s, row + step >= rows), m, rs, inv_cols);
     for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x) {
       C xv[PACK], d[PACK], g[PACK];
       cx.get(p - p0, xv);
