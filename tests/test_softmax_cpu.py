@@ -104,6 +104,23 @@ def test_grids():
     assert p.grid == 3
 
 
+@pytest.mark.parametrize("cols, dtype", [(65536, "float16"), (32768, "float32")])
+def test_lone_forward_blocks_run_in_one_wave(cols, dtype):
+    """A forward block alone on its SM (a 128 KiB row) loops over rows in one wave, its next
+    row's loads beside this row's stores; the backward keeps OneFlow's waves of blocks."""
+    for op in FWD:
+        p = plan_rowwise(op, 2048, cols, dtype, H100)
+        assert p.variant is Variant.BLOCK_SMEM and p.threads == 1024, p
+        assert p.grid == 132, p
+        assert plan_rowwise(op, 100, cols, dtype, H100).grid == 100  # fewer rows than SMs
+        # two blocks an SM (a 64 KiB row): OneFlow's waves, one row a block
+        assert plan_rowwise(op, 2048, cols // 2, dtype, H100).grid == 2048
+    for op in BWD:
+        p = plan_rowwise(op, 2048, cols // 2, dtype, H100)
+        assert p.variant is Variant.BLOCK_SMEM and p.threads == 1024, p
+        assert p.grid == 2048, p
+
+
 def _smem_boundary(op, dtype, device):
     """Largest cols (a multiple of the widest pack) whose row(s) fit one block's shared memory
     beside the all-reduce's buffers of its narrowest block (128 threads)."""

@@ -43,7 +43,8 @@ def _policy(op: str, kernel: str, algo: int, inputs: int) -> OpPolicy:
     return OpPolicy(op=op, source=SOURCE, kernel=kernel, algo=algo, inputs=inputs,
                     tail_scratch_words=3 - inputs, tail_merge_words=3 - inputs,
                     tail_in_blocks=True, signature=name_expression,
-                    switch_sets=(Switches(),), fixed_widths=FIXED_WIDTHS)
+                    switch_sets=(Switches(),), fixed_widths=FIXED_WIDTHS,
+                    lone_block_one_wave=inputs == 1)
 
 
 POLICIES = {

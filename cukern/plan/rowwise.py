@@ -155,6 +155,9 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
             if shared is not None:
                 return replace(shared, notes=shared.notes + (
                     f"one block of {plan.threads} threads would be alone on its SM",))
+        if pol.lone_block_one_wave and sized(threads)[1] == 1:
+            return replace(plan, grid=max(1, min(rows, device.sms)), notes=plan.notes + (
+                "one wave of blocks, each alone on its SM, looping over rows",))
         return replace(plan, grid=num_blocks(device, plan.threads, rows))
 
     if device.has_clusters and not strided:
