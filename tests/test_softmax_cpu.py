@@ -104,6 +104,24 @@ def test_grids():
     assert p.grid == 3
 
 
+def test_widths_tied_on_threads_take_the_fewest_load_rounds():
+    """Of block widths with as many threads resident (registers: 12 blocks of 128 or 6 of 256
+    an SM), the forward takes the one whose threads load the row in one round of 4 packs;
+    the backward (no load_round) keeps OneFlow's width; a block alone on its SM ranks last."""
+    def occ(blocks):
+        return lambda plan: blocks.get(plan.threads, 0)
+
+    regs = occ({128: 12, 256: 6, 512: 3, 1024: 1})  # 1536 threads resident but at 1024
+    for op in FWD:
+        assert plan_rowwise(op, 16384, 8192, "float16", H100, regs).threads == 256  # 4 packs
+        assert plan_rowwise(op, 16384, 4096, "float16", H100, regs).threads == 128  # 4 packs
+    for op in BWD:
+        assert plan_rowwise(op, 16384, 8192, "float16", H100, regs).threads == 128
+    lone = occ({128: 3, 256: 3, 512: 2, 1024: 1})  # 1024 threads with 512 or 1024
+    for op in FWD:
+        assert plan_rowwise(op, 8192, 16384, "float32", H100, lone).threads == 512
+
+
 @pytest.mark.parametrize("cols, dtype", [(65536, "float16"), (32768, "float32")])
 def test_lone_forward_blocks_run_in_one_wave(cols, dtype):
     """A forward block alone on its SM (a 128 KiB row) loops over rows in one wave, its next

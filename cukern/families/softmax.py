@@ -44,7 +44,7 @@ def _policy(op: str, kernel: str, algo: int, inputs: int) -> OpPolicy:
                     tail_scratch_words=3 - inputs, tail_merge_words=3 - inputs,
                     tail_in_blocks=True, signature=name_expression,
                     switch_sets=(Switches(),), fixed_widths=FIXED_WIDTHS,
-                    lone_block_one_wave=inputs == 1)
+                    lone_block_one_wave=inputs == 1, load_round=4 if inputs == 1 else 0)
 
 
 POLICIES = {

@@ -131,15 +131,25 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     if occ128 > 0:
         widest = block_threads_for(cols // pack, tune)
         # OneFlow's width (the widest with the 128-thread occupancy) where it keeps the most
-        # threads resident; else (registers cut a wider block's count) the narrowest that does.
-        # Other widths are asked (a compile each on a GPU) only where an SM has room left.
+        # threads resident; else (registers cut a wider block's count) the narrowest that does,
+        # or with the op's load_round, of those sharing an SM the one loading a row in the
+        # fewest rounds. Other widths are asked (a compile each on a GPU) only where an SM has
+        # room left.
         threads = next((t for t in tune.block_sizes
                         if t <= widest and sized(t)[1] == occ128), 128)
-        most = sized(threads)[1] * threads  # threads resident
+
+        def rank(t: int) -> tuple[int, int]:  # threads resident, then fewer load rounds
+            per_sm, rounds = sized(t)[1], 0
+            if pol.load_round:  # a block alone on its SM ranks last among equals
+                packs_each = -(-(cols // pack) // t)
+                rounds = -(-packs_each // pol.load_round) if per_sm > 1 else MAX_COLS
+            return per_sm * t, -rounds
+
+        most = sized(threads)[1] * threads
         if most < device.max_threads_per_sm:
             widths = [t for t in (128,) + tune.block_sizes if t <= max(widest, 128)]
-            best = max(widths, key=lambda t: (sized(t)[1] * t, -t))
-            if sized(best)[1] * best > most:
+            best = max(widths, key=lambda t: (rank(t), -t))
+            if rank(best) > rank(threads):
                 threads, most = best, sized(best)[1] * best
         candidate = sized(threads)[0]
         plan = replace(candidate, notes=(
