@@ -301,12 +301,13 @@ class OpPolicy:
     one_wave_cluster: int = 0
     # a cached block alone on its SM runs in one wave looping over rows (its next row's loads
     # beside this row's stores): softmax float16 65536 columns 80.5 -> 90.1% of copy, float32
-    # 32768 90.5 -> 92.2; the backward lost 0.4-2.2 (H200, 957e07d)
+    # 32768 90.5 -> 92.2; the backward's lone blocks -2.2 to +1.7 (H200, against 957e07d)
     lone_block_one_wave: bool = False
     # packs a cached block's thread loads at once before using them (softmax_fill's U; 0: not
     # a rule): of widths with the most threads resident, and two or more blocks an SM, the
     # one whose threads load the row in the fewest such rounds: softmax 16-bit 8192 and 16384
-    # columns 91-93 -> 96-97% of copy, float32 4096 95-96 -> 97-98 (H200, against 6dd5f5a)
+    # columns 90.8-93.2 -> 95.8-97.1% of copy, float32 4096 95.2-96.0 -> 97.3-97.7 (H200,
+    # against 6dd5f5a)
     load_round: int = 0
     # takes float32 weight and bias with 16-bit data (Switches.float32_params): planned as the
     # uncached kernel, the one instantiated for them (kernels/norm.cuh)
