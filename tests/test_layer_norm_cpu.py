@@ -485,6 +485,19 @@ def test_col_sums_leave_the_warp_kernel_past_512(op):
     assert plan_rowwise(op, 10**5, 1024, "float16", H100).variant is Variant.WARP
 
 
+@pytest.mark.parametrize("device", [H100, A100, DeviceSpec.t4()], ids=lambda d: d.arch)
+def test_rows_of_one_column_never_reach_the_cached_backward(device):
+    """The cached backward kernels leave out dx's one-column test (kernels/layer_norm_grad.cuh,
+    GradX's ONE): a row of one column must go to the warp kernel (or, with float32 parameters,
+    the uncached one), at any row count and alignment."""
+    sets = [Switches(), WEIGHT, Switches(weight=True, float32_params=True)]
+    for op, dtype, sw, rows, align in itertools.product(BWD, ITEM, sets, (1, 7, 10**6), (1, 16)):
+        if sw.float32_params and ITEM[dtype] != 2:
+            continue
+        p = plan_rowwise(op, rows, 1, dtype, device, align_elems=align, switches=sw)
+        assert p.variant in (Variant.WARP, Variant.BLOCK_UNCACHED), p
+
+
 def test_col_sums_clusters_fit_the_gpu():
     """The one-wave grid of a cluster plan has no more clusters than the driver says fit at
     once (GPC sizes), else a second, nearly empty wave would double the time."""
