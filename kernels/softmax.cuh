@@ -307,7 +307,7 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
 template <int PACK, bool HOLD, int WIDTH, typename T, typename C, bool STRIDED>
 __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
                                                   Pack<T, PACK>* cache, i64 row, int p0, int p1) {
-  constexpr int U = 4;  // packs in flight per thread
+  constexpr int U = 4;  // packs in flight per thread (the planner: OpPolicy.load_round)
   const int stride = block_width<WIDTH>();
   const Load<T, C, STRIDED> lr = held<HOLD>(ld.from_row(row));
   MaxSum<C> ms = MaxSum<C>::identity();
