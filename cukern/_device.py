@@ -84,7 +84,8 @@ class DeviceSpec:
 
     @classmethod
     def h200(cls) -> DeviceSpec:
-        """NVIDIA H200 SXM (141 GB HBM3e): the H100's SMs and shared memory, so its plans."""
+        """NVIDIA H200 SXM (141 GB HBM3e): the H100's SMs and shared memory; the H100's plans
+        but for the rules the H200's own tuning changes (``cukern.plan.policy._MODELS``)."""
         return cls("NVIDIA H200 (preset)", (9, 0), 132, 2048, 32, 233472, 232448)
 
     @classmethod

@@ -353,6 +353,8 @@ def test_plans_of_the_benchmark_shapes(shape, layout, dtype):
                 need = -(-packs // (ew.block[0] * u))
                 waves = H100.sms * 8 * t.bn_apply_waves  # 8 blocks of 256 threads an SM
                 few = packs * t.bn_apply_cols_coefs_per_pack < waves * ew.block[0] * p.pack
+                if ITEMSIZE[dtype] == 2:
+                    few = few or packs < waves * ew.block[0] * t.bn_apply_cols_few_packs_16bit
                 cap = min(need, H100.sms * t.bn_apply_blocks_per_sm_cols if few else waves)
                 assert cap - c // p.pack < ew.grid[0] < cap + c // p.pack
         for s in p.steps:
@@ -825,6 +827,36 @@ def test_columns_elementwise_grid_by_packs_a_thread(shape, dtype, waves):
         assert grid > H100.sms * 8
     else:
         assert grid <= H100.sms * t.bn_apply_blocks_per_sm_cols
+
+
+@pytest.mark.parametrize("shape,dtype,one_wave_h200", [
+    ((64, 64, 112, 112), "float16", True),    # 6.4 M packs of 8: ~6 a thread over 4 waves
+    ((256, 1024, 14, 14), "bfloat16", True),  # ~6
+    ((256, 512, 28, 28), "float16", True),    # ~12
+    ((256, 64, 112, 112), "float16", False),  # ~24
+    ((64, 64, 112, 112), "float32", False),   # 12.8 M packs of 4: ~12 a thread
+    ((64, 2048, 7, 7), "float32", True),      # ~1.5: the general rule
+])
+def test_h200_columns_grid_takes_one_wave_up_to_16_packs_a_thread(shape, dtype, one_wave_h200):
+    # the H200's table: 16-bit columns passes take one resident wave where the waves grid
+    # gives a thread fewer than bn_apply_cols_few_packs_16bit packs; the H100 keeps its rule
+    h200 = DeviceSpec.h200()
+    t = bp.tuning_for(h200)
+    assert t.bn_apply_cols_few_packs_16bit == 16
+    assert bp.tuning_for(H100).bn_apply_cols_few_packs_16bit == 0
+    assert dataclasses.replace(t, bn_apply_cols_few_packs_16bit=0) == bp.tuning_for(H100)
+    for op, kw in (("batch_norm", {"training": False}), ("batch_norm_backward", {})):
+        one_wave = h200.sms * t.bn_apply_blocks_per_sm_cols
+        g200 = plan(op, shape, dtype, layout="NHWC", device=h200, **kw).steps[-1].grid[0]
+        g100 = plan(op, shape, dtype, layout="NHWC", **kw).steps[-1].grid[0]
+        if one_wave_h200:
+            assert g200 <= one_wave
+        else:
+            assert g200 > one_wave
+        if ITEMSIZE[dtype] == 4 or not one_wave_h200 or shape == (64, 2048, 7, 7):
+            assert g200 == g100
+        else:
+            assert g100 > one_wave  # the H100's waves grid
 
 
 def test_few_large_planes_split_inside_planes():

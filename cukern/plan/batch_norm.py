@@ -240,15 +240,18 @@ def _elementwise_grid(view: ChannelView, pack: int, dtype: str, device: DeviceSp
                       tuning: Tuning, u: int) -> int:
     """The apply / dx grid for ``u`` packs in flight a thread: up to bn_apply_waves waves; in
     the columns layout, where that leaves a thread too few packs to amortise loading its PACK
-    channels' coefficients, about one resident wave (bn_apply_blocks_per_sm_cols an SM), each
-    thread looping over many rows of its fixed channels."""
+    channels' coefficients (bn_apply_cols_coefs_per_pack, bn_apply_cols_few_packs_16bit),
+    about one resident wave (bn_apply_blocks_per_sm_cols an SM), each thread looping over many
+    rows of its fixed channels."""
     threads = tuning.bn_apply_threads
     total = view.numel // pack
     need = max(1, -(-total // (threads * u)))
     waves = device.sms * _occupancy(device, threads) * tuning.bn_apply_waves
     grid = min(need, waves)
-    if view.layout == COLUMNS and total * tuning.bn_apply_cols_coefs_per_pack < \
-            waves * threads * pack:  # too few packs a thread for its PACK channels' setup
+    few = total * tuning.bn_apply_cols_coefs_per_pack < waves * threads * pack
+    if ITEMSIZE[dtype] == 2:
+        few = few or total < waves * threads * tuning.bn_apply_cols_few_packs_16bit
+    if view.layout == COLUMNS and few:  # too few packs a thread for its PACK channels' setup
         grid = min(need, device.sms * tuning.bn_apply_blocks_per_sm_cols)
     if view.layout == COLUMNS:  # a thread's channels stay fixed: grid * threads % (C/pack) == 0
         cbp = view.channels // pack

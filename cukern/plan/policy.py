@@ -160,6 +160,11 @@ class Tuning:
     # from 94-95% to 90-92% at 2 an SM, hence the waves grid where coefficients amortise
     bn_apply_blocks_per_sm_cols: int = 2
     bn_apply_cols_coefs_per_pack: int = 2
+    # ... and, for 16-bit data, also where the waves grid gives a thread fewer than this many
+    # packs (0: the rule above alone). H200 only (its table below; measured there): at 6-12
+    # packs a thread, fp16 NHWC eval 76-81 -> 84-86% of copy, training + ReLU 44-50 -> 50-56,
+    # backward 40-44 -> 45-47; at 24 (205 M elements) eval 92.7 -> 88.8; float32 lost 0.5-6
+    bn_apply_cols_few_packs_16bit: int = 0
     # channel-merge kernels: channels (warps) a block
     bn_finalize_channels: int = 8
     # ... a block a channel instead (bn::Merger) where a channel has over 32 partial states and
@@ -246,19 +251,28 @@ AMPERE = replace(HOPPER, arch="sm_80")
 TURING = replace(AMPERE, arch="sm_75")
 VOLTA = replace(AMPERE, arch="sm_70")
 _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
+# A GPU model whose memory differs from the one its architecture's table was measured on: its
+# changes to that table, matched in the device's name.
+# H200: the H100's SMs with HBM3e (4.8 TB/s against 3.35): measured on it.
+_MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16}}
 
 
 def tuning_for(device) -> Tuning:
-    """The table of the newest architecture at or below the device's (Hopper's for None)."""
+    """The table of the newest architecture at or below the device's (Hopper's for None),
+    with the changes of its GPU model where :data:`_MODELS` names it."""
     if device is None:
         return HOPPER
-    return _table_for(tuple(device.compute_capability))
+    return _table_for(tuple(device.compute_capability), device.name)
 
 
 @functools.cache  # the planner asks once a candidate plan
-def _table_for(cc: tuple[int, int]) -> Tuning:
+def _table_for(cc: tuple[int, int], name: str = "") -> Tuning:
     known = [k for k in _TABLES if k <= cc]
-    return _TABLES[max(known)] if known else AMPERE
+    table = _TABLES[max(known)] if known else AMPERE
+    for model, changes in _MODELS.items():
+        if model in name:
+            return replace(table, **changes)
+    return table
 
 
 @dataclass(frozen=True)
