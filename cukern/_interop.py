@@ -87,12 +87,12 @@ def torch_view(x):
 
 _np_of_torch: dict = {}  # torch dtype -> NumPy dtype (CuPy's), filled on first use
 _torch_of_np: dict = {}  # NumPy dtype or scalar type -> torch dtype
-_torch_devices: dict[int, object] = {}  # GPU index -> torch.device
-_torch = None  # the torch module, once a tensor was seen
+_torch_complex: frozenset = frozenset()  # the complex torch dtypes (the conjugate bit's)
+_strided = None  # torch.strided
 
 
 def _dtype_tables() -> None:
-    global _torch
+    global _torch_complex, _strided
     import torch
 
     pairs = [(torch.bool, np.bool_), (torch.int8, np.int8), (torch.uint8, np.uint8),
@@ -106,10 +106,11 @@ def _dtype_tables() -> None:
         pairs.append((torch.bfloat16, bfloat16))
     except ImportError:  # pragma: no cover - ml_dtypes comes with cukern's dependencies
         pass
-    for t, n in pairs:
+    _torch_complex = frozenset((torch.complex64, torch.complex128))
+    _strided = torch.strided
+    for t, n in pairs:  # last: a filled table is what tensor_view tests
         _np_of_torch[t] = np.dtype(n)
         _torch_of_np[np.dtype(n)] = _torch_of_np[n] = t
-    _torch = torch
 
 
 class TensorView(ByPointer):
@@ -122,14 +123,15 @@ class TensorView(ByPointer):
     __slots__ = ("tensor", "shape", "_strides", "dtype", "ptr", "device_id")
 
     def __init__(self, t, dtype, device_id: int, shape=None):
-        """``shape``: the tensor's, where the caller has it as a tuple (its strides are then
-        worked out when first read: a new result's are not, launches take its address)."""
+        """``shape``: the tensor's, where the caller has it (its strides are then worked out
+        when first read: a new result's are not, launches take its address). ``shape`` is a
+        tuple or a ``torch.Size`` (a tuple: equal to, and hashed as, the tuple of its sizes)."""
         self.tensor = t
         self.dtype = dtype
         self.ptr = t.data_ptr()
         self.device_id = device_id
         if shape is None:
-            self.shape = tuple(t.shape)
+            self.shape = t.shape
             item = dtype.itemsize
             self._strides = tuple([s * item for s in t.stride()])
         else:
@@ -156,20 +158,13 @@ class TensorView(ByPointer):
         return len(self.shape)
 
     def empty(self, shape, dtype) -> TensorView:
-        """A new C-contiguous tensor on this tensor's GPU, allocated by PyTorch on its current
-        stream (CuPy's: the stream the kernels run on); ``dtype`` a NumPy dtype or scalar
-        type."""
-        t, torch = self.tensor, _torch
+        """A new C-contiguous tensor of ``shape`` (a tuple of ints) on this tensor's GPU,
+        allocated by PyTorch on its current stream (CuPy's: the stream the kernels run on);
+        ``dtype`` a NumPy dtype or scalar type. ``Tensor.new_empty``: 1.1 us less a call
+        than ``torch.empty_like`` and 1.4 less than ``torch.empty`` (H200 host)."""
+        t = self.tensor
         tdt = _torch_of_np[dtype]
-        shape = tuple(shape)
-        if shape == self.shape and tdt is t.dtype:  # empty_like: cheaper than torch.empty
-            new = torch.empty_like(t) if t.is_contiguous() else torch.empty_like(
-                t, memory_format=torch.contiguous_format)
-        else:
-            dev = _torch_devices.get(self.device_id)
-            if dev is None:
-                dev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
-            new = torch.empty(shape, dtype=tdt, device=dev)
+        new = t.new_empty(shape) if tdt is t.dtype else t.new_empty(shape, dtype=tdt)
         return TensorView(new, _np_of_torch[tdt], self.device_id, shape)
 
     def transpose(self, axes) -> TensorView:
@@ -217,16 +212,19 @@ def tensor_view(x, checked: int = -1) -> TensorView | None:
     ``x.conj().imag``: lazy views whose memory holds the values before the operation) is
     left to the full path, which reads it through a resolved copy (:func:`adapt`); a sparse
     one too, which the full path refuses."""
-    if type(x).__module__ != "torch" or not x.is_cuda or x.requires_grad:
+    if type(x).__module__ != "torch" or x.requires_grad:
         return None
-    if x.is_conj() or x.is_neg():
+    dev = x.get_device()  # -1 for a CPU tensor
+    if dev < 0:
         return None
     if not _np_of_torch:
         _dtype_tables()
-    dtype = _np_of_torch.get(x.dtype)
-    if dtype is None or x.layout is not _torch.strided:  # sparse: the full path refuses it
+    tdt = x.dtype
+    dtype = _np_of_torch.get(tdt)
+    if dtype is None or x.layout is not _strided:  # sparse: the full path refuses it
         return None
-    dev = x.get_device()
+    if x.is_neg() or (tdt in _torch_complex and x.is_conj()):  # only complex ones conjugate
+        return None
     if dev != checked and _torch_current_stream(dev) != cp.cuda.get_current_stream(dev).ptr:
         return None
     return TensorView(x, dtype, dev)

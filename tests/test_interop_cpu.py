@@ -124,8 +124,8 @@ def test_tensors_that_cannot_take_a_fast_path_are_refused_before_any_exchange():
     call or DLPack exchange (the fake tensors have neither)."""
     from cukern import _interop
 
-    cpu = _fake_tensor(is_cuda=False, requires_grad=False)
-    grad = _fake_tensor(is_cuda=True, requires_grad=True)
+    cpu = _fake_tensor(is_cuda=False, requires_grad=False, get_device=lambda: -1)
+    grad = _fake_tensor(is_cuda=True, requires_grad=True, get_device=lambda: 0)
     for bad in (cpu, grad, [1.0], object()):
         assert _interop.torch_views((None, bad, grad)) is None
         assert _interop.fast_arrays(cpu, (cpu, bad)) is None
@@ -133,14 +133,20 @@ def test_tensors_that_cannot_take_a_fast_path_are_refused_before_any_exchange():
     assert _interop.torch_view(cpu) is None and _interop.torch_view(grad) is None
 
 
-def test_lazy_conjugate_and_negative_views_are_left_to_the_full_path():
-    """A CUDA tensor whose conjugate or negative bit is set gets no TensorView (its memory
-    holds the values before the lazy operation), decided before its dtype or stream is read."""
+def test_lazy_conjugate_and_negative_views_are_left_to_the_full_path(monkeypatch):
+    """A CUDA tensor whose conjugate (complex dtypes) or negative bit is set gets no
+    TensorView (its memory holds the values before the lazy operation), decided before its
+    stream is read (the fake tensors have none)."""
     from cukern import _interop
 
-    for conj, neg in ((True, False), (False, True)):
-        t = _fake_tensor(is_cuda=True, requires_grad=False, is_conj=lambda c=conj: c,
-                         is_neg=lambda n=neg: n)
+    c64, f32, strided = object(), object(), object()
+    monkeypatch.setattr(_interop, "_np_of_torch", {c64: np.dtype(np.complex64),
+                                                   f32: np.dtype(np.float32)})
+    monkeypatch.setattr(_interop, "_torch_complex", frozenset((c64,)))
+    monkeypatch.setattr(_interop, "_strided", strided)
+    for dtype, conj, neg in ((c64, True, False), (c64, False, True), (f32, False, True)):
+        t = _fake_tensor(is_cuda=True, requires_grad=False, get_device=lambda: 0, dtype=dtype,
+                         layout=strided, is_conj=lambda c=conj: c, is_neg=lambda n=neg: n)
         assert _interop.tensor_view(t) is None
         assert _interop.torch_views((t,)) is None
         assert _interop.fast_arrays(t, (t,)) is None
