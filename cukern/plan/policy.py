@@ -162,8 +162,8 @@ class Tuning:
     bn_apply_cols_coefs_per_pack: int = 2
     # ... and, for 16-bit data, also where the waves grid gives a thread fewer than this many
     # packs (0: the rule above alone). H200 only (its table below; measured there): at 6-12
-    # packs a thread, fp16 NHWC eval 76-81 -> 84-86% of copy, training + ReLU 44-50 -> 50-56,
-    # backward 40-44 -> 45-47; at 24 (205 M elements) eval 92.7 -> 88.8; float32 lost 0.5-6
+    # packs a thread, fp16 NHWC eval 76-84 -> 84-86% of copy, training + ReLU 44-50 -> 50-56,
+    # backward 39-44 -> 45-47; at 24 (205 M elements) eval 92.7 -> 88.8; float32 lost 0.5-6
     bn_apply_cols_few_packs_16bit: int = 0
     # channel-merge kernels: channels (warps) a block
     bn_finalize_channels: int = 8
@@ -243,7 +243,8 @@ class Tuning:
     perm_skew_words: tuple[int, int] = (2, 4)
 
 
-# Measured on the H100 (sm_90); every number in the comments above is from it.
+# Measured on the H100 (sm_90); every number in the comments above is from it but where a
+# comment names the H200.
 HOPPER = Tuning("sm_90")
 # Ampere has no clusters; the rest is not separately tuned (the H100 table).
 AMPERE = replace(HOPPER, arch="sm_80")
