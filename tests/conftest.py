@@ -110,6 +110,14 @@ def cluster_tail(op: str, dtype: str, threads: int, rows_per_pass: int = 1,
     return -(-2 * (threads // 32) * partial * word // 16) * 16 + 4 * merged * word * cluster
 
 
+def block_tail(op: str, dtype: str, threads: int) -> int:
+    """Bytes of a softmax block kernel's all-reduce buffers at its dynamic tail: the forwards'
+    in every dtype, the backwards' in float64 only (static buffers otherwise)."""
+    if op.endswith("_backward") and dtype != "float64":
+        return 0
+    return cluster_tail(op, dtype, threads, cluster=False)
+
+
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     """(cluster size, threads, smem_bytes, sums_in_registers, gamma_in_smem) of a backward with
     column sums (dweight, dbias) over rows of ``cols`` (16-byte aligned), by the rules

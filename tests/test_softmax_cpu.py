@@ -16,7 +16,7 @@ from cukern._device import DeviceSpec
 from cukern.ops import softmax as softmax_ops
 from cukern.plan import HOPPER, Variant, plan_rowwise
 
-from .conftest import NVRTC_ARCHS, cluster_tail, nvrtc_results
+from .conftest import NVRTC_ARCHS, block_tail, cluster_tail, nvrtc_results
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
@@ -139,13 +139,18 @@ def test_lone_forward_blocks_run_in_one_wave(cols, dtype):
         assert p.grid == 2048, p
 
 
+def _block_tail(op, dtype, threads):
+    tail = block_tail(op, dtype, threads)
+    assert (dtype in registry.policy(op).tail_in_blocks) == (tail > 0)
+    return tail
+
+
 def _smem_boundary(op, dtype, device):
     """Largest cols (a multiple of the widest pack) whose row(s) fit one block's shared memory
     beside the all-reduce's buffers of its narrowest block (128 threads)."""
     inputs = registry.policy(op).inputs
     pack = 16 // ITEM[dtype]
-    limit = device.smem_per_block_optin - HOPPER.static_smem - \
-        cluster_tail(op, dtype, 128, cluster=False)
+    limit = device.smem_per_block_optin - HOPPER.static_smem - _block_tail(op, dtype, 128)
     return limit // (ITEM[dtype] * inputs) // pack * pack
 
 
@@ -156,7 +161,7 @@ def test_block_smem_boundary(op, dtype):
     inside = plan_rowwise(op, 1000, edge, dtype, H100)
     assert inside.variant is Variant.BLOCK_SMEM
     assert inside.smem_bytes == edge * ITEM[dtype] * registry.policy(op).inputs + \
-        cluster_tail(op, dtype, inside.threads, cluster=False)
+        _block_tail(op, dtype, inside.threads)
     assert inside.smem_bytes <= planner.max_dynamic_smem(H100)
     below = plan_rowwise(op, 1000, edge - 1, dtype, H100)
     assert below.variant is Variant.BLOCK_SMEM

@@ -14,7 +14,7 @@ from cukern.ops import softmax as softmax_mod
 from cukern.plan import CLUSTER_SIZES, MAX_COLS, Variant, max_dynamic_smem
 from cukern.registry import policy
 
-from .conftest import DTYPES, TOL, cluster_tail
+from .conftest import DTYPES, TOL, block_tail, cluster_tail
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_softmax")]
@@ -82,7 +82,7 @@ def spec():
 
 def smem_edge(op, dtype):
     """Columns a block of 128 threads holds beside its all-reduce's two buffers."""
-    room = max_dynamic_smem(spec()) - cluster_tail(op, dtype, 128, cluster=False)
+    room = max_dynamic_smem(spec()) - block_tail(op, dtype, 128)
     return room // (ITEM[dtype] * policy(op).inputs)
 
 
@@ -427,7 +427,7 @@ def pinned_plans(op, dtype, rows, cols):
     template = replace(warp, variant=Variant.BLOCK_SMEM, block=(128, 1), grid=2,
                        smem_bytes=cols * ITEM[dtype] * inputs, **common)
     for t in (128, 256, 512, 1024):  # the row, then the all-reduce's buffers from 16 bytes on
-        smem = -(-template.smem_bytes // 16) * 16 + cluster_tail(op, dtype, t, cluster=False)
+        smem = -(-template.smem_bytes // 16) * 16 + block_tail(op, dtype, t)
         if smem <= max_dynamic_smem(dev):
             plans.append(replace(template, block=(t, 1), smem_bytes=smem))
     plans.append(replace(template, variant=Variant.BLOCK_UNCACHED, block=(1024, 1),

@@ -42,7 +42,8 @@ def _policy(op: str, kernel: str, algo: int, inputs: int) -> OpPolicy:
     # cluster reductions: (max, sum) forward, one sum backward (a state of 2 or 1 words)
     return OpPolicy(op=op, source=SOURCE, kernel=kernel, algo=algo, inputs=inputs,
                     tail_scratch_words=3 - inputs, tail_merge_words=3 - inputs,
-                    tail_in_blocks=True, signature=name_expression,
+                    tail_in_blocks=tuple(CPP_TYPES) if inputs == 1 else ("float64",),
+                    signature=name_expression,
                     switch_sets=(Switches(),), fixed_widths=FIXED_WIDTHS,
                     lone_block_one_wave=inputs == 1, load_round=4 if inputs == 1 else 0)
 

@@ -302,8 +302,8 @@ class OpPolicy:
     # and the cluster merge's four, of this many compute-type words for each row of a pass
     tail_scratch_words: int = 0
     tail_merge_words: int = 0
-    # block kernels keep their all-reduce's two states a warp there too (with no merge)
-    tail_in_blocks: bool = False
+    # dtypes whose block kernels keep their all-reduce's two states a warp there too (no merge)
+    tail_in_blocks: tuple[str, ...] = ()
     # with a residual, cached kernels may overlap their rows (Plan.overlap)
     overlap_with_residual: bool = False
     # a lone block on its SM moves to a cluster of blocks sharing SMs (Tuning.lone_block_resident)

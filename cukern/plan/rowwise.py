@@ -121,8 +121,8 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
 
     @functools.cache
     def sized(threads: int) -> tuple[Plan, int]:  # a block and its resident blocks an SM
-        total = with_tail(pol, dtype, smem, threads, cluster=False) if pol.tail_in_blocks \
-            else smem
+        total = with_tail(pol, dtype, smem, threads, cluster=False) \
+            if dtype in pol.tail_in_blocks else smem
         plan = Plan(variant=Variant.BLOCK_SMEM, block=(threads, 1), grid=1, smem_bytes=total,
                     **NO_WARP, **base)
         return plan, occ(plan) if plan.smem_bytes <= max_dynamic_smem(device) else 0
