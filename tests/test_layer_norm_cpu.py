@@ -22,6 +22,7 @@ from .conftest import NVRTC_ARCHS, cluster_tail, col_sums_expected, nvrtc_result
 
 H100 = DeviceSpec.h100()
 A100 = DeviceSpec.a100()
+H200 = DeviceSpec.h200()
 FWD = ("layer_norm", "rms_norm")
 BWD = ("layer_norm_backward", "rms_norm_backward")
 NORM_OPS = FWD + BWD
@@ -280,6 +281,31 @@ def test_lone_blocks_go_to_clusters(op):
         assert not policy(other).split_lone_blocks
         p = plan_rowwise(other, 2048, cols, "float16", H100)
         assert p.variant is Variant.BLOCK_SMEM and p.threads == 1024, p
+
+
+def test_layer_norm_float32_keeps_three_blocks_of_512():
+    """Rows of 64 KiB: 3 blocks of 512 threads an SM (OneFlow's width, 1536 threads) or 2 of
+    1024 (more threads). Layer norm float32 without a residual keeps the 3 blocks
+    (OpPolicy.oneflow_width_dtypes); RMS norm, 16-bit rows and residual rows take the 1024."""
+    for device in (H100, H200):
+        for cols in (14848, 16384, 18944):
+            p = plan_rowwise("layer_norm", 8192, cols, "float32", device,
+                             switches=Switches(True, True, False))
+            assert (p.variant, p.threads) == (Variant.BLOCK_SMEM, 512), p
+            assert device.model_occupancy(p.threads, p.smem_bytes) == 3
+            assert device.model_occupancy(1024, p.smem_bytes) == 2  # 2048 threads an SM
+        wider = [plan_rowwise("rms_norm", 8192, 16384, "float32", device),
+                 plan_rowwise("layer_norm", 4096, 32768, "float16", device),
+                 plan_rowwise("layer_norm", 4096, 32768, "bfloat16", device),
+                 plan_rowwise("layer_norm", 8192, 16384, "float32", device,
+                              switches=Switches(True, True, True))]
+        for p in wider:
+            assert (p.variant, p.threads) == (Variant.BLOCK_SMEM, 1024), p
+        # 6 blocks of 256 (OneFlow's width at 8192 columns): not few, the rule does not apply
+        p = plan_rowwise("layer_norm", 8192, 8192, "float32", device)
+        assert p.threads * device.model_occupancy(p.threads, p.smem_bytes) == 2048, p
+    assert registry.policy("layer_norm").oneflow_width_dtypes == ("float32",)
+    assert registry.policy("rms_norm").oneflow_width_dtypes == ()
 
 
 @pytest.mark.parametrize("op", BWD)

@@ -129,6 +129,7 @@ _BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2, sme
 
 POLICIES = {
     "layer_norm": OpPolicy(op="layer_norm", algo=0, pair_rows=True, tail_merge_words=3,
+                           oneflow_width_dtypes=("float32",),
                            **_FORWARD, switch_sets=tuple(
         Switches(w, b, r) for w, b, r in itertools.product(_TF, _TF, _TF))),
     "rms_norm": OpPolicy(op="rms_norm", algo=1, tail_merge_words=1, **_FORWARD, switch_sets=tuple(

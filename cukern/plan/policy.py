@@ -49,6 +49,10 @@ class Tuning:
     # a forward with a residual overlaps its rows where OneFlow's blocks leave at most this many
     # threads an SM: float32 layer norm 8192 columns 85 -> 95% of copy (H100)
     overlap_resident: int = 1024
+    # OneFlow's width holding this many threads an SM or more in this many blocks or fewer is
+    # kept for the op's OpPolicy.oneflow_width_dtypes (H200, layer norm float32)
+    kept_width_threads: int = 1536
+    kept_width_blocks: int = 3
     # a lone block of at most this many resident threads moves to a cluster of blocks sharing
     # SMs (OpPolicy.split_lone_blocks): layer norm float16 65536 columns 88 -> 92% (H100)
     lone_block_resident: int = 1024
@@ -318,6 +322,12 @@ class OpPolicy:
     # beside this row's stores): softmax float16 65536 columns 80.5 -> 90.1% of copy, float32
     # 32768 90.5 -> 92.2; the backward's lone blocks -2.2 to +1.7 (H200, against 957e07d)
     lone_block_one_wave: bool = False
+    # dtypes whose cached rows without a residual keep OneFlow's width where it holds
+    # Tuning.kept_width_threads or more threads an SM in Tuning.kept_width_blocks blocks or
+    # fewer (not a wider block: more threads, fewer rows in flight):
+    # layer norm float32 16384 columns, 1024 threads 2 an SM ran 0.6-1.9 points of copy below
+    # 512 threads 3 an SM (H200, 7920-8316 rows; RMS norm and residual rows gain 2-4 there)
+    oneflow_width_dtypes: tuple[str, ...] = ()
     # packs a cached block's thread loads at once before using them (softmax_fill's U; 0: not
     # a rule): of widths with the most threads resident, and two or more blocks an SM, the
     # one whose threads load the row in the fewest such rounds: softmax 16-bit 8192 and 16384

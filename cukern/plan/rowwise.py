@@ -146,7 +146,9 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
             return per_sm * t, -rounds
 
         most = sized(threads)[1] * threads
-        if most < device.max_threads_per_sm:
+        keep = dtype in pol.oneflow_width_dtypes and not sw.residual and \
+            most >= tune.kept_width_threads and sized(threads)[1] <= tune.kept_width_blocks
+        if most < device.max_threads_per_sm and not keep:
             widths = [t for t in (128,) + tune.block_sizes if t <= max(widest, 128)]
             best = max(widths, key=lambda t: (rank(t), -t))
             if rank(best) > rank(threads):
