@@ -210,12 +210,13 @@ __device__ __forceinline__ S merge_cluster(const S& v, int n, unsigned b, bool l
 // `meanwhile` and `last` as there), each call with its buffer picked by `phase` (as in
 // allreduce_block). Every thread of every block must call it, with the same `phase`.
 // MERGE > 0: every buffer in the tail of the dynamic shared memory (memory.cuh), none static.
-template <int CLUSTER, int MERGE = 0, typename S, typename F>
+template <int CLUSTER, int MERGE = 0, int BUFFERS = 2, typename S, typename F>
 __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  return merge_cluster<CLUSTER, MERGE>(allreduce_block_in<(MERGE > 0), MERGE>(v, phase), n, b,
-                                       last, meanwhile);
+  if constexpr (BUFFERS == 1) ++phase;  // allreduce_block_in counts only with two buffers
+  return merge_cluster<CLUSTER, MERGE>(allreduce_block_in<(MERGE > 0), MERGE, BUFFERS>(v, phase),
+                                       n, b, last, meanwhile);
 }
 
 // The same all-reduce with no cluster barrier a call: threads 0..CLUSTER-1 send the block's state
@@ -282,20 +283,24 @@ template <> struct ClusterSize<0> {
 // BlockReduce's interface (reduce.cuh) over a cluster of n blocks (ClusterSize): operator() is
 // allreduce_cluster, blocks() merge_cluster, finish() the cluster wait that a `last` call owes.
 // MERGE > 0: every buffer in the tail of the dynamic shared memory, the merge's slots of MERGE
-// bytes (the largest state the kernel merges; the planner's tail_scratch).
-template <int CLUSTER, int MERGE = 0> struct ClusterReduce : ClusterSize<CLUSTER> {
+// bytes (the largest state the kernel merges; the planner's tail_scratch). BUFFERS = 1 (MERGE >
+// 0): the block all-reduce's one buffer (allreduce_block_in), safe from one operator() or
+// blocks() call to the next (their cluster barrier); two block() calls in a row need a
+// __syncthreads() between them (kOneBuffer).
+template <int CLUSTER, int MERGE = 0, int BUFFERS = 2> struct ClusterReduce : ClusterSize<CLUSTER> {
   using ClusterSize<CLUSTER>::n;
   static constexpr bool kCluster = true;
+  static constexpr bool kOneBuffer = BUFFERS == 1;
   unsigned phase = 0, block_phase = 0;
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool last, const F& meanwhile) {
-    return allreduce_cluster<CLUSTER, MERGE>(v, n, phase, last, meanwhile);
+    return allreduce_cluster<CLUSTER, MERGE, BUFFERS>(v, n, phase, last, meanwhile);
   }
   template <typename S> __device__ __forceinline__ S operator()(const S& v, bool last) {
     return (*this)(v, last, [] {});
   }
   template <typename S> __device__ __forceinline__ S block(const S& v) {
-    return allreduce_block_in<(MERGE > 0), MERGE>(v, block_phase);
+    return allreduce_block_in<(MERGE > 0), MERGE, BUFFERS>(v, block_phase);
   }
   template <typename S, typename F>
   __device__ __forceinline__ S blocks(const S& v, bool last, const F& meanwhile) {

@@ -538,6 +538,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
         q.v[r] = has(r) ? own_squares<PACK>(cache(r), Centre<C, TWO_STEP>{k[r], sb.v[r]}, p0, p1)
                         : C(0);
       }
+      if constexpr (Reduce::kOneBuffer) __syncthreads();  // every thread has read sb's partials
       q = reduce.block(q);
       Several<Welford<C>, R> w;
 #pragma unroll
@@ -709,7 +710,9 @@ __device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   // every reduction buffer in the tail of the dynamic shared memory (memory.cuh): no static ones
   constexpr int MERGE =
       ALGO == kLayerNorm ? sizeof(Several<Welford<C>, ROWS>) : sizeof(Sums<C, ROWS>);
-  ClusterReduce<CLUSTER, MERGE> reduce;
+  // two rows a pass: the block all-reduce's one buffer (plan.rowwise.tail_scratch), so that three
+  // blocks of two 16-bit rows of 16384 columns keep the 196 KiB carveout step (kernels.md)
+  ClusterReduce<CLUSTER, MERGE, ROWS == 2 ? 1 : 2> reduce;
   const int num_packs = cols / PACK, n = reduce.n;
   int p0, p1;
   cluster_pack_range(num_packs, n, rank, p0, p1);

@@ -217,12 +217,16 @@ template <typename S> __device__ __forceinline__ S allreduce_block(S v, unsigned
   return allreduce_block_into(v, partial[phase++ & 1u]);
 }
 // allreduce_block with its buffers static, or (TAIL) at the end of the dynamic shared memory,
-// before a cluster merge's four slots of MERGE bytes (memory.cuh's tail_scratch).
-template <bool TAIL, int MERGE = 0, typename S>
+// before a cluster merge's four slots of MERGE bytes (memory.cuh's tail_scratch). BUFFERS = 1
+// (TAIL only): one buffer, which the caller must not write again before a barrier that every
+// thread reaches after reading it (a cluster merge's, or its own __syncthreads).
+template <bool TAIL, int MERGE = 0, int BUFFERS = 2, typename S>
 __device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
+  static_assert(BUFFERS == 2 || (TAIL && BUFFERS == 1), "BUFFERS: 2, or 1 in the tail");
   if constexpr (TAIL) {
     const unsigned nwarps = (blockDim.x * blockDim.y + 31) / 32;
-    return allreduce_block_into(v, tail_scratch<S, MERGE>() + (phase++ & 1u) * nwarps);
+    const unsigned b = BUFFERS == 1 ? 0u : phase++ & 1u;
+    return allreduce_block_into(v, tail_scratch<S, MERGE, BUFFERS>() + b * nwarps);
   } else {
     return allreduce_block(v, phase);
   }
@@ -239,6 +243,7 @@ __device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
 // tail_scratch, where the planner adds them), not static.
 template <bool TAIL = false> struct BlockReduce {
   static constexpr bool kCluster = false;
+  static constexpr bool kOneBuffer = false;  // two all-reduce buffers (allreduce_block_in)
   unsigned phase = 0;  // allreduce_block's buffer phase
   template <typename S, typename F>
   __device__ __forceinline__ S operator()(const S& v, bool, const F& meanwhile) {

@@ -99,15 +99,18 @@ def warm_kernels():
 def cluster_tail(op: str, dtype: str, threads: int, rows_per_pass: int = 1,
                  cluster: bool = True) -> int:
     """Bytes a forward or softmax cluster block's dynamic shared memory ends with: its block
-    all-reduce's two buffers of a state a warp (in 16-byte units), then the cluster merge's four
-    slots, in the compute type, for each row of a pass (``cluster=False``: a softmax block's,
-    without the merge's). The states: softmax (max, sum), its backwards one sum; the norms'
-    block sums one sum, merged as layer norm's (count, mean, M2) or RMS norm's sum."""
+    all-reduce's two buffers of a state a warp (one in a cluster of two rows a pass; in 16-byte
+    units), then the cluster merge's four slots, in the compute type, for each row of a pass
+    (``cluster=False``: a softmax block's, without the merge's). The states: softmax (max,
+    sum), its backwards one sum; the norms' block sums one sum, merged as layer norm's (count,
+    mean, M2) or RMS norm's sum."""
     partial, merged = {"softmax": (2, 2), "log_softmax": (2, 2), "softmax_backward": (1, 1),
                        "log_softmax_backward": (1, 1), "layer_norm": (1, 3),
                        "rms_norm": (1, 1)}[op]
     word = (8 if dtype == "float64" else 4) * rows_per_pass
-    return -(-2 * (threads // 32) * partial * word // 16) * 16 + 4 * merged * word * cluster
+    buffers = 1 if cluster and rows_per_pass > 1 else 2  # two rows a pass: one buffer
+    return -(-buffers * (threads // 32) * partial * word // 16) * 16 + \
+        4 * merged * word * cluster
 
 
 def block_tail(op: str, dtype: str, threads: int) -> int:

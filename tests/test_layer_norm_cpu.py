@@ -601,7 +601,7 @@ def test_paired_rows():
     wb = Switches(weight=True, bias=True)
     for dt in ("float16", "bfloat16"):
         for sw in (wb, Switches(weight=True), Switches(bias=True)):
-            for cols in (lim, 152896):
+            for cols in (lim, 153152):
                 p = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=sw)
                 one = replace(p, rows_per_pass=1)
                 assert p.variant is Variant.CLUSTER and p.rows_per_pass == 2, p
@@ -612,6 +612,10 @@ def test_paired_rows():
                 slice_bytes = -(-cols // 8 // p.cluster) * 16
                 assert p.smem_bytes == 2 * slice_bytes + cluster_tail("layer_norm", "float32",
                                                                      512, rows_per_pass=2)
+                if cols == lim:  # the buffers' one block all-reduce buffer: three blocks in the
+                    # 196 KiB carveout step (128-byte units beside 1 KiB reserved a block)
+                    step = 3 * (-(-(p.smem_bytes + 1024) // 128) * 128)
+                    assert p.smem_bytes == 65536 + 224 and step <= 196 * 1024, p
                 q = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=Switches())
                 assert q.rows_per_pass == 1 and q.cluster * 2 == p.cluster, q
                 # one wave: 501 passes over the resident clusters
@@ -619,9 +623,9 @@ def test_paired_rows():
                 assert one.name_expression().endswith(", 3, 1>")
                 assert p.name_expression().endswith(", 3, 2>")
                 assert "rows_per_pass      2" in str(p) and "2 rows a pass" in str(p)
-        # from 152904 columns two rows of 16-bit values need 16 blocks: one row a pass (over 4
-        # blocks up to 153344 columns, then 8), in OneFlow's waves
-        for cols, size in ((152904, 4), (153352, 8), (3 * lim // 2, 8), (2 * lim, 8)):
+        # from 153160 columns two rows of 16-bit values need 16 blocks: one row a pass (over 4
+        # blocks up to 153248 columns, then 8), in OneFlow's waves
+        for cols, size in ((153160, 4), (153256, 8), (3 * lim // 2, 8), (2 * lim, 8)):
             p = plan_rowwise("layer_norm", 1001, cols, dt, H100, switches=wb)
             per_sm = H100.model_occupancy(p.threads, p.smem_bytes)
             assert (p.variant, p.cluster, p.rows_per_pass) == (Variant.CLUSTER, size, 1), p

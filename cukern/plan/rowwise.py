@@ -292,12 +292,15 @@ def tail_scratch(pol: OpPolicy, dtype: str, threads: int, rows_per_pass: int = 1
                  cluster: bool = True) -> int:
     """Bytes of a block's reduction buffers at the end of its dynamic shared memory
     (kernels/memory.cuh): the block all-reduce's two states a warp (``tail_scratch_words`` a row
-    of the pass) in 16-byte units, then in a cluster the merge's four (``tail_merge_words``).
+    of the pass; one in a cluster of two rows a pass, which keeps three blocks of two 16-bit
+    rows of 16384 columns in the 196 KiB carveout step) in 16-byte units, then in a cluster the
+    merge's four (``tail_merge_words``).
     Static ones would push three blocks of 64 KiB past the 196 KiB carveout into the 228 KiB
     one, leaving the SM 28 KiB of L1 for its loads in flight instead of 60
     (docs/notes/softmax.md)."""
     word = (8 if dtype == "float64" else 4) * rows_per_pass
-    partials = -(-2 * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
+    buffers = 1 if cluster and rows_per_pass > 1 else 2
+    partials = -(-buffers * (threads // 32) * pol.tail_scratch_words * word // 16) * 16
     merge = 4 * pol.tail_merge_words * word if cluster else 0
     return partials + merge
 
