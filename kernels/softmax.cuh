@@ -158,13 +158,16 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
       const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
       C buf[RPA][CPT];
       Maxes<C, RPA> m;
-      if constexpr (RPA > 1 && sizeof(T) < 8) {
-        // Every pack of every row loaded before any is used, and unconditionally: a row past the
-        // end reads the last row, a column past the end column 0, and the values are then
-        // replaced (-inf). Guarded, the loads of the log-softmax's rows compiled to branches, and
-        // the first max of one row waited for its loads before the next row's were issued. One
-        // row a pass keeps the guarded loads (no such wait; held raw, many small packs took up to
-        // three times the registers), and so does double (spills).
+      // Every pack of every row loaded before any is used, and unconditionally: a row past the
+      // end reads the last row (never stored), a column past the end column 0's pack, whose
+      // copies leave the row's max as it is and whose exponentials are left out of the sum one
+      // pack at a time (not each value replaced by -inf: 16 selects a warp's two rows of
+      // bfloat16 packs). Guarded, the loads of the log-softmax's rows compiled to branches, and
+      // the first max of one row waited for its loads before the next row's were issued. One
+      // row a pass keeps the guarded loads (no such wait; held raw, many small packs took up to
+      // three times the registers), and so does double (spills).
+      constexpr bool CLAMPED = RPA > 1 && sizeof(T) < 8;
+      if constexpr (CLAMPED) {
         Pack<T, PACK> raw[RPA][NP];
 #pragma unroll
         for (int r = 0; r < RPA; ++r) {
@@ -179,11 +182,8 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
         for (int r = 0; r < RPA; ++r) {
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
-            const bool ok = row0 + r < rows && (p * width + lane) * PACK < cols;
 #pragma unroll
-            for (int i = 0; i < PACK; ++i) {
-              buf[r][p * PACK + i] = ok ? pack_value(raw[r][p], i) : -Math<C>::inf();
-            }
+            for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = pack_value(raw[r][p], i);
           }
         }
       } else {
@@ -214,14 +214,19 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
       for (int r = 0; r < RPA; ++r) {
         s.v[r] = C(0);
 #pragma unroll
-        for (int i = 0; i < CPT; ++i) {
-          if (ALGO == kSoftmax) {
-            buf[r][i] = Num<T>::exp(buf[r][i] - m.v[r]);
-            s.v[r] += buf[r][i];
-          } else {
-            buf[r][i] -= m.v[r];
-            s.v[r] += Num<T>::exp(buf[r][i]);
+        for (int p = 0; p < NP; ++p) {
+          C acc = CLAMPED ? C(0) : s.v[r];  // clamped: the pack's sum, kept if in the row
+#pragma unroll
+          for (int i = p * PACK; i < (p + 1) * PACK; ++i) {
+            if (ALGO == kSoftmax) {
+              buf[r][i] = Num<T>::exp(buf[r][i] - m.v[r]);
+              acc += buf[r][i];
+            } else {
+              buf[r][i] -= m.v[r];
+              acc += Num<T>::exp(buf[r][i]);
+            }
           }
+          s.v[r] = !CLAMPED ? acc : (p * width + lane) * PACK < cols ? s.v[r] + acc : s.v[r];
         }
       }
       s = allreduce_row(s, width);
