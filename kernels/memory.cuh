@@ -217,12 +217,12 @@ template <typename T> __device__ __forceinline__ T* aligned_dynamic_smem() {
 
 // A block's reduction buffers at the end of the dynamic shared memory, where the planner adds
 // them (plan.rowwise.tail_scratch): in a cluster the merge's four slots of MERGE bytes last
-// (merge_tail; MERGE 0 in a block kernel), and before them the block all-reduce's BUFFERS (two, or
-// one: reduce.cuh) states a warp (tail_scratch; reduce.cuh's allreduce_block_in). Static shared memory counts in whole
-// 128-byte units beside the dynamic and moves where the dynamic begins, so static buffers can
-// cost three 64 KiB blocks the 196 KiB carveout step, and the SM the L1 that holds its loads in
-// flight (docs/notes/softmax.md, "The carveout"); with none, a cached slice at the start is
-// 128-byte aligned for asynchronous copies.
+// (merge_tail; MERGE 0 in a block kernel), and before them the block all-reduce's BUFFERS (two,
+// or one: reduce.cuh) states a warp (tail_scratch; reduce.cuh's allreduce_block_in). Static
+// shared memory counts in whole 128-byte units beside the dynamic and moves where the dynamic
+// begins, so static buffers can cost three 64 KiB blocks the 196 KiB carveout step, and the SM
+// the L1 that holds its loads in flight (docs/notes/softmax.md, "The carveout"); with none, a
+// cached slice at the start is 128-byte aligned for asynchronous copies.
 template <int MERGE> __device__ __forceinline__ char* merge_tail() {
   extern __shared__ uint4 smem_words[];
   return reinterpret_cast<char*>(smem_words) + dynamic_smem_bytes() - 4 * MERGE;
