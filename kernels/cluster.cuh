@@ -214,7 +214,6 @@ template <int CLUSTER, int MERGE = 0, int BUFFERS = 2, typename S, typename F>
 __device__ __forceinline__ S allreduce_cluster(S v, int n, unsigned& phase, bool last,
                                                const F& meanwhile) {
   const unsigned b = phase & 1u;
-  if constexpr (BUFFERS == 1) ++phase;  // allreduce_block_in counts only with two buffers
   return merge_cluster<CLUSTER, MERGE>(allreduce_block_in<(MERGE > 0), MERGE, BUFFERS>(v, phase),
                                        n, b, last, meanwhile);
 }

@@ -225,8 +225,8 @@ __device__ __forceinline__ S allreduce_block_in(S v, unsigned& phase) {
   static_assert(BUFFERS == 2 || (TAIL && BUFFERS == 1), "BUFFERS: 2, or 1 in the tail");
   if constexpr (TAIL) {
     const unsigned nwarps = (blockDim.x * blockDim.y + 31) / 32;
-    const unsigned b = BUFFERS == 1 ? 0u : phase++ & 1u;
-    return allreduce_block_into(v, tail_scratch<S, MERGE, BUFFERS>() + b * nwarps);
+    const unsigned b = phase++ & 1u;  // counted with one buffer too: a cluster merge's phase
+    return allreduce_block_into(v, tail_scratch<S, MERGE, BUFFERS>() + (BUFFERS - 1) * b * nwarps);
   } else {
     return allreduce_block(v, phase);
   }
