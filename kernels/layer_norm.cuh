@@ -429,7 +429,7 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // x + residual (not OVERLAP: its later rows load ahead on their own) through scan_fetched,
   // one pack at a time (two in flight took 7-20 more registers and ran 1-5 points slower)
   constexpr bool FETCHED = RESIDUAL && !OVERLAP;
-  Pack<T, VECTOR_K ? 4 : 1> kq[VECTOR_K ? R : 1];  // VECTOR_K: each row's first 4 values
+  Pack<T, 4> kq[VECTOR_K ? R : 1];  // VECTOR_K: each row's first 4 values
   auto fill = [&]() {  // the pass's rows into the cache, and s
 #pragma unroll
     for (int r = 0; r < R; ++r) {
