@@ -422,21 +422,24 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // whether the pass has row r (uniform across the block and the cluster)
   auto has = [&](int r) { return r == 0 || row + r < rows; };
   C k[R], s[R];  // each row's shift K (the same in every block) and this thread's sum
-  // Packs of 4 or more values load K's three values as one 4-value word (the row's first pack
-  // is aligned): one load a thread where three cost layer norm float16 3.7 points of copy at
-  // 2048 columns (blocks) and about 1 at 131072 (paired clusters) on the H200.
-  constexpr bool VECTOR_K = SHIFT && ASYNC && PACK >= 4;
+  // Block kernels over packs of 4 or more values load K's three values as one 4-value word (the
+  // row's first pack is aligned): one load a thread where three cost layer norm float16 3.7
+  // points of copy at 2048 columns on the H200.
+  constexpr bool VECTOR_K = SHIFT && ASYNC && !Reduce::kCluster && PACK >= 4;
   // x + residual (not OVERLAP: its later rows load ahead on their own) through scan_fetched,
   // one pack at a time (two in flight took 7-20 more registers and ran 1-5 points slower)
   constexpr bool FETCHED = RESIDUAL && !OVERLAP;
-  Pack<T, 4> kq[VECTOR_K ? R : 1];  // VECTOR_K: each row's first 4 values
   auto fill = [&]() {  // the pass's rows into the cache, and s
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       s[r] = C(0);
       if constexpr (VECTOR_K) {
-        typedef typename Pack<T, 4>::word_t Word4;
-        if (has(r)) kq[r].word = *reinterpret_cast<const Word4*>(x + (row + r) * sx);
+        k[r] = C(0);
+        if (has(r)) {
+          const Pack<T, 4> q = {
+              *reinterpret_cast<const typename Pack<T, 4>::word_t*>(x + (row + r) * sx)};
+          k[r] = median3(pack_value(q, 0), pack_value(q, 1), pack_value(q, 2));
+        }
       } else if constexpr (FETCHED) {
         k[r] = C(0);
       } else {
@@ -467,15 +470,6 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       }
     }
     if constexpr (ASYNC) {
-      // K's medians once every row's copies are issued (a paired cluster's second row would
-      // wait for its K before its copies)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (VECTOR_K) {
-          const auto& q = kq[r];
-          k[r] = has(r) ? median3(pack_value(q, 0), pack_value(q, 1), pack_value(q, 2)) : C(0);
-        }
-      }
       cp_async_wait_all();
 #pragma unroll
       for (int r = 0; r < R; ++r) {
