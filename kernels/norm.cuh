@@ -26,7 +26,8 @@
 // columns); a sample's mean would cost a reduction and is no value of the row (a constant row
 // would no longer give var = 0 exactly). Half and bfloat16 rows, once summed, are normalised
 // as x - (K + mean') in one operation: the rounding of K + mean' to float is far below their
-// spacing (a representable deviation from a mean m is at least m * 2^-11). RMS norm needs no
+// spacing (a representable deviation from a mean m is at least m * 2^-11); their first pass
+// sums a pack's values, then subtracts PACK * K (layer_norm.cuh, add_pack). RMS norm needs no
 // mean, and a sum of squares has no cancellation.
 // Statistics and all sums are in the compute type (float for half, bfloat16 and float; double
 // for double), as are the dgamma/dbeta partial sums.
