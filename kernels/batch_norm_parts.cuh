@@ -227,6 +227,13 @@ template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* m
   return (__ldg(mask + (e >> 5)) >> (e & 31)) & ((N == 32 ? 0u : (1u << N)) - 1u);
 }
 
+// Eval's 1 / sqrt(running_var + eps). The planes apply pass computes it a pack at a time (the
+// pack's channel changes from one to the next), so float takes rsqrtf (one MUFU.RSQ, within 2
+// ulp) instead of an IEEE square root and division; double keeps those. batch_norm_finalize
+// uses it too in eval, so y is the same with and without return_stats.
+__device__ __forceinline__ float eval_invstd(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double eval_invstd(double v) { return 1.0 / sqrt(v); }
+
 // What a channel's merged statistics become (batch_norm_finalize, or a statistics kernel with
 // one split): training takes mean and the biased variance from the state, writes mean, invstd
 // (and the variance) and updates the running statistics with the unbiased variance; eval takes
@@ -249,7 +256,7 @@ template <typename C> struct Finish {
       mean = running_mean[c];
       var = running_var[c];
     }
-    const C invstd = C(1) / sqrt(var + eps);
+    const C invstd = training ? C(1) / sqrt(var + eps) : eval_invstd(var + eps);
     if (training) {
       if (running_mean != nullptr)
         running_mean[c] = (C(1) - momentum) * running_mean[c] + momentum * mean;
@@ -273,7 +280,7 @@ template <typename C> struct EvalParams {
   C eps;
   __device__ __forceinline__ Coef<C> operator()(const Coef<C>* coef, unsigned c) const {
     if (coef != nullptr) return coef[c];
-    const C invstd = C(1) / sqrt(__ldg(var + c) + eps);
+    const C invstd = eval_invstd(__ldg(var + c) + eps);
     return Coef<C>{__ldg(mean + c), (weight != nullptr ? __ldg(weight + c) : C(1)) * invstd,
                    bias != nullptr ? __ldg(bias + c) : C(0), C(0)};
   }
