@@ -199,7 +199,8 @@ __global__ void __launch_bounds__(256, !COLS && sizeof(T) == 2 ? (ADD ? 5 : 6) :
   const unsigned rG = static_cast<unsigned>(G % CBp);
   unsigned j = static_cast<unsigned>((warp0 + lane) % CBp);
   const i64 nwords = (total * PACK + 31) / 32;
-  const bn::EvalParams<C> params{running_mean, running_var, weight, bias, eps};
+  const bn::EvalParams<C, COLS || SPAN || sizeof(T) != 4> params{running_mean, running_var,
+                                                                 weight, bias, eps};
   bn::Coef<C> fixed[COLS ? PACK : 1];
   if (COLS) {
 #pragma unroll

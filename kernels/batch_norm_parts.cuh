@@ -230,9 +230,16 @@ template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* m
 // Eval's 1 / sqrt(running_var + eps). The planes apply pass computes it a pack at a time (the
 // pack's channel changes from one to the next), so float takes rsqrtf (one MUFU.RSQ, within 2
 // ulp) instead of an IEEE square root and division; double keeps those. batch_norm_finalize
-// uses it too in eval, so y is the same with and without return_stats.
-__device__ __forceinline__ float eval_invstd(float v) { return rsqrtf(v); }
-__device__ __forceinline__ double eval_invstd(double v) { return 1.0 / sqrt(v); }
+// uses it too in eval. !FAST (float32 planes whose packs lie in one channel): a rounded square
+// root and a fast division (within 2 ulp), whose branch keeps the kernel at 32 registers, 8
+// blocks an SM (rsqrtf's took 37: eval (64, 1024, 14, 14) -1.5 points of copy on the H200);
+// there y may differ in the last bit with return_stats, whose coefficients are rsqrtf's.
+template <bool FAST = true> __device__ __forceinline__ float eval_invstd(float v) {
+  return FAST ? rsqrtf(v) : __fdividef(1.0f, __fsqrt_rn(v));
+}
+template <bool FAST = true> __device__ __forceinline__ double eval_invstd(double v) {
+  return 1.0 / sqrt(v);
+}
 
 // What a channel's merged statistics become (batch_norm_finalize, or a statistics kernel with
 // one split): training takes mean and the biased variance from the state, writes mean, invstd
@@ -275,12 +282,12 @@ template <typename C> struct Finish {
 
 // A channel's forward coefficients: the finalize kernel's, or (coef null: eval without
 // statistics outputs) computed here from the running statistics, as batch_norm_finalize does.
-template <typename C> struct EvalParams {
+template <typename C, bool FAST = true> struct EvalParams {
   const C *mean, *var, *weight, *bias;
   C eps;
   __device__ __forceinline__ Coef<C> operator()(const Coef<C>* coef, unsigned c) const {
     if (coef != nullptr) return coef[c];
-    const C invstd = eval_invstd(__ldg(var + c) + eps);
+    const C invstd = eval_invstd<FAST>(__ldg(var + c) + eps);
     return Coef<C>{__ldg(mean + c), (weight != nullptr ? __ldg(weight + c) : C(1)) * invstd,
                    bias != nullptr ? __ldg(bias + c) : C(0), C(0)};
   }
