@@ -69,7 +69,7 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training: b
                    running_mean <- (1 - momentum) * running_mean + momentum * mean
                    running_var  <- (1 - momentum) * running_var  + momentum * var * n / (n - 1)
         eval:      mean = running_mean,  var = running_var
-        invstd = 1 / sqrt(var + eps)
+        invstd = 1 / sqrt(var + eps)   (eval, float16/bfloat16/float32 data: within 2 ulp)
         y = relu?((x - mean) * invstd * weight + bias [+ addend])
 
     The statistics are per-thread shifted sums turned into Welford states, merged with Chan's
