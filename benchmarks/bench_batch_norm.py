@@ -339,19 +339,26 @@ def plot(results, path: str, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def group_layout(r) -> str:
+    """The table's layout column: NCHW planes of 14x14 or fewer values (where per-plane work
+    weighs most) apart from the larger ones."""
+    small = r["layout"] == "NCHW" and len(r["shape"]) > 2 and math.prod(r["shape"][2:]) <= 196
+    return "NCHW<=196" if small else r["layout"]
+
+
 def table(results) -> None:
-    print(f"\n{'mode':<15} {'dtype':<9} {'layout':<6} {'cukern % (x2 / x1)':>20} "
+    print(f"\n{'mode':<15} {'dtype':<9} {'layout':<9} {'cukern % (x2 / x1)':>20} "
           f"{'torch %':>8} {'jax %':>7}  shapes")
     groups = {}
     for r in results:
-        groups.setdefault((r["mode"], r["dtype"], r["layout"]), []).append(r)
+        groups.setdefault((r["mode"], r["dtype"], group_layout(r)), []).append(r)
     for (mode, dtype, layout), rs in groups.items():
         def span(peer, key="pct_copy"):
             v = [r.get(key, float("nan")) for r in rs if r["peer"] == peer]
             v = [x for x in v if x == x]
             return f"{min(v):.0f}-{max(v):.0f}" if v else "-"
 
-        print(f"{mode:<15} {dtype:<9} {layout:<6} {span('cukern', 'pct_copy_x2'):>9} / "
+        print(f"{mode:<15} {dtype:<9} {layout:<9} {span('cukern', 'pct_copy_x2'):>9} / "
               f"{span('cukern'):<9} {span('torch'):>8} {span('jax'):>7}  "
               f"{len([r for r in rs if r['peer'] == 'copy'])}")
 
