@@ -176,9 +176,10 @@ __global__ void __launch_bounds__(256)
 // j = the pack's index within one (C, B) sample (CBp packs); its channels are bn::plane_span(j)
 // (planes: one, or two where B is not a multiple of PACK) or PACK j.. (columns, where the host
 // makes G a multiple of CBp, so a thread's channels never change and their coefficients,
-// loaded once, stay in registers). mask (or null): ceil(numel / 32) words. 16-bit planes
-// without an addend are held to 40 registers, 6 blocks an SM (48 unbounded: 5 blocks, eval
-// fp16 (64, 1024, 14, 14) 85 against 88% of copy on the H200); the others spill there.
+// loaded once, stay in registers). mask (or null): ceil(numel / 32) words. 16-bit planes are
+// held to 6 blocks an SM, 40 registers (with an addend 5 and 48), their counts before rsqrtf
+// (unbounded 48 and 56: eval fp16 (64, 1024, 14, 14) 85 against 88% of copy on the H200);
+// columns kernels take 100 or more and keep theirs.
 template <typename T, int PACK, bool COLS, bool ADD, bool SPAN>
 __global__ void __launch_bounds__(256, !COLS && sizeof(T) == 2 ? (ADD ? 5 : 6) : 0)
     batch_norm_apply(const T* __restrict__ x, const T* __restrict__ addend,
