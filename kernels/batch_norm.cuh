@@ -112,11 +112,11 @@ __global__ void __launch_bounds__(kBnReduceThreads)
 // rows [A s / S, A (s + 1) / S), s = blockIdx.y; a thread keeps PACK channels' states, the block
 // folds its rows in shared memory (blockDim.x * blockDim.y * PACK states).
 template <typename T, int PACK>
-__global__ void __launch_bounds__(kBnReduceThreads)
+__global__ void __launch_bounds__(kBnReduceThreads, 4)
     batch_norm_stats_cols(const T* __restrict__ x, bn::Stats<typename Num<T>::compute>* part,
                           i64 A, int Cp, int S, CUKERN_BN_FINISH_PARAMS(typename Num<T>::compute)) {
   typedef typename Num<T>::compute C;
-  constexpr int U = bn::unroll_reduce(PACK * sizeof(T));
+  constexpr int U = bn::unroll_cols_stats(PACK * sizeof(T));
   const int s = blockIdx.y, tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
   const int cp = blockIdx.x * blockDim.x + tx;
   const bool valid = cp < Cp;
@@ -125,25 +125,19 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   bn::Shifted<C> acc[PACK] = {};
   int n = 0;
   if (valid) {
-    const Pack<T, PACK> k0 = bn::load_pack<T, PACK>(x, r0 * Cp + cp);
+    typedef Pack<T, PACK> P;
+    const P k0 = bn::load_pack<T, PACK>(x, r0 * Cp + cp);
 #pragma unroll
-    for (int k = 0; k < PACK; ++k) acc[k] = bn::Shifted<C>{pack_value(k0, k), C(0), C(0)};
-    for (i64 r = r0 + ty; r < r1; r += static_cast<i64>(ny) * U) {
-      Pack<T, PACK> p[U];
+    for (int k = 0; k < PACK; ++k) acc[k] = bn::Shifted<C>{bn::value(k0, k), C(0), C(0)};
+    const unsigned count = bn::rows_below(r0 + ty, r1, ny);
+    n = static_cast<int>(count);
+    bn::for_rows<U, P>(
+        (r0 + ty) * Cp + cp, static_cast<i64>(ny) * Cp, count,
+        [&](i64 i) { return bn::load_pack<T, PACK>(x, i); },
+        [&](const P& p) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const i64 ru = r + static_cast<i64>(u) * ny;
-        if (ru < r1) p[u] = bn::load_pack<T, PACK>(x, ru * Cp + cp);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (r + static_cast<i64>(u) * ny < r1) {
-          n += 1;
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) acc[k].add(pack_value(p[u], k));
-        }
-      }
-    }
+          for (int k = 0; k < PACK; ++k) acc[k].add(bn::value(p, k));
+        });
   }
   bn::Stats<C>* sm = dynamic_smem<bn::Stats<C>>();
 #pragma unroll
@@ -162,9 +156,11 @@ __global__ void __launch_bounds__(256)
                         CUKERN_BN_FINISH_PARAMS(C)) {
   const bn::Merger g(Cn);
   if (g.c >= Cn) return;  // a whole warp (of a warp-a-channel block)
+  const bn::Finish<C> finish{CUKERN_BN_FINISH_ARGS};
+  const typename bn::Finish<C>::Inputs in = finish.load(g.c);
   bn::Stats<C> st = bn::Stats<C>::identity();
   if (training) st = bn::fold_partials(part + static_cast<i64>(g.c) * S, S, g.t, g.nt, g.block);
-  if (g.t == 0) bn::Finish<C>{CUKERN_BN_FINISH_ARGS}(g.c, st);
+  if (g.t == 0) finish(g.c, st, in);
 }
 
 // y = relu?((x - mean) * scale + shift [+ addend]) over the flat packs of the tensor (coef
@@ -569,31 +565,28 @@ __global__ void __launch_bounds__(kBnReduceThreads, 3)
     sg[k] = sgx[k] = C(0);
   }
   if (valid) {
-    for (i64 r = r0 + ty; r < r1; r += static_cast<i64>(ny) * U) {
-      Pack<T, PACK> pd[U], px[U];
-      unsigned bits[U];
+    struct Item {
+      Pack<T, PACK> d, x;
+      unsigned bits;  // the mask's bits of the pack (all set without a mask)
+    };
+    bn::for_rows<U, Item>(
+        (r0 + ty) * Cp + cp, static_cast<i64>(ny) * Cp, bn::rows_below(r0 + ty, r1, ny),
+        [&](i64 i) {
+          Item it;
+          it.d = bn::load_pack<T, PACK>(dy, i);
+          it.x = bn::load_pack<T, PACK>(x, i);
+          it.bits = mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u;
+          return it;
+        },
+        [&](const Item& it) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const i64 ru = r + static_cast<i64>(u) * ny;
-        bits[u] = 0;
-        if (ru < r1) {
-          const i64 i = ru * Cp + cp;
-          pd[u] = bn::load_pack<T, PACK>(dy, i);
-          px[u] = bn::load_pack<T, PACK>(x, i);
-          bits[u] = mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {  // bits[u] == 0 past the split: nothing added
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) {
-          const bool keep = (bits[u] >> k) & 1u;
-          const C g = pack_value(pd[u], k);
-          sg[k] += keep ? g : C(0);
-          sgx[k] += keep ? g * (pack_value(px[u], k) - m[k]) : C(0);
-        }
-      }
-    }
+          for (int k = 0; k < PACK; ++k) {
+            const bool keep = (it.bits >> k) & 1u;
+            const C g = bn::value(it.d, k);
+            sg[k] += keep ? g : C(0);
+            sgx[k] += keep ? g * (bn::value(it.x, k) - m[k]) : C(0);
+          }
+        });
   }
   bn::GradSums<C>* sm = dynamic_smem<bn::GradSums<C>>();
 #pragma unroll

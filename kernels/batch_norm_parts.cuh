@@ -56,6 +56,13 @@ __host__ __device__ constexpr int unroll_reduce(int bytes) {
   return bytes >= 64 ? 1 : (64 / bytes > 16 ? 16 : 64 / bytes);
 }
 
+// ... and a thread of the columns statistics: about 128 bytes (16 packs of 8 bytes in 64
+// registers), so that two blocks an SM (the H200's bn_cols_stats_blocks_per_sm) keep 64 KB of
+// x in flight an SM; at four blocks 64 and 128 bytes ran alike.
+__host__ __device__ constexpr int unroll_cols_stats(int bytes) {
+  return bytes >= 128 ? 1 : (128 / bytes > 16 ? 16 : 128 / bytes);
+}
+
 template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const T* p, i64 i) {
   Pack<T, N> pack;
   pack.word = reinterpret_cast<const typename Pack<T, N>::word_t*>(p)[i];
@@ -222,6 +229,61 @@ __device__ __forceinline__ void copy_then_use(int mine, const Copy& copy, const 
 }
 
 // The N mask bits of the pack at flat pack index i (all in one word: 32 % N == 0).
+// Element k of a pack in the compute type, for the columns reductions: float16 values come
+// out of their 32-bit word by a half selector of the conversion (pack_value goes through the
+// 16-bit element: a shift or move first, 1.5 instructions a value more).
+template <typename T, int N>
+__device__ __forceinline__ typename Num<T>::compute value(const Pack<T, N>& p, int k) {
+  return pack_value(p, k);
+}
+template <int N> __device__ __forceinline__ float value(const Pack<f16, N>& p, int k) {
+  if constexpr (N >= 2) {
+    const unsigned w = reinterpret_cast<const unsigned*>(&p.word)[k / 2];
+    float f;
+    if (k % 2) {
+      asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(w));
+    } else {
+      asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(w));
+    }
+    return f;
+  } else {
+    return pack_value(p, k);
+  }
+}
+
+// The rows of a columns reduction's thread: `count` rows `step` packs apart from pack index
+// `i`, U at a time. load(i) issues one row's loads and returns them; use(item) consumes them.
+// Whole groups of U take no bounds tests (a pointer step a row); the last part group loads
+// its rows at once under a predicate, so no row waits for another's load.
+template <int U, typename Item, typename Load, typename Use>
+__device__ __forceinline__ void for_rows(i64 i, i64 step, unsigned count, const Load& load,
+                                         const Use& use) {
+  unsigned done = 0;
+  for (; done + U <= count; done += U) {
+    Item v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = load(i + u * step);
+    i += U * step;
+#pragma unroll
+    for (int u = 0; u < U; ++u) use(v[u]);
+  }
+  const unsigned rest = count - done;
+  if (rest != 0u) {
+    Item v[U];
+#pragma unroll
+    for (int u = 0; u < U - 1; ++u)
+      if (u < rest) v[u] = load(i + u * step);
+#pragma unroll
+    for (int u = 0; u < U - 1; ++u)
+      if (u < rest) use(v[u]);
+  }
+}
+
+// How many of the rows first, first + step, ... lie below `end` (first >= 0).
+__device__ __forceinline__ unsigned rows_below(i64 first, i64 end, int step) {
+  return first < end ? static_cast<unsigned>((end - 1 - first) / step) + 1u : 0u;
+}
+
 template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i) {
   const i64 e = i * N;
   return (__ldg(mask + (e >> 5)) >> (e & 31)) & ((N == 32 ? 0u : (1u << N)) - 1u);
@@ -254,29 +316,53 @@ template <typename C> struct Finish {
   C momentum, eps;
   C *mean_out, *invstd_out, *var_out;
   Coef<C>* coef;
+  // The channel's values it reads (running statistics, weight, bias): read where used
+  // (Direct), or loaded ahead (Inputs, from load(c)) by the merge kernel, whose merge then
+  // overlaps their latency.
+  struct Direct {
+    const Finish& f;
+    int c;
+    __device__ __forceinline__ C rm() const { return f.running_mean[c]; }
+    __device__ __forceinline__ C rv() const { return f.running_var[c]; }
+    __device__ __forceinline__ C w() const { return f.weight != nullptr ? f.weight[c] : C(1); }
+    __device__ __forceinline__ C b() const { return f.bias != nullptr ? f.bias[c] : C(0); }
+  };
+  struct Inputs {
+    C rm_, rv_, w_, b_;
+    __device__ __forceinline__ C rm() const { return rm_; }
+    __device__ __forceinline__ C rv() const { return rv_; }
+    __device__ __forceinline__ C w() const { return w_; }
+    __device__ __forceinline__ C b() const { return b_; }
+  };
+  __device__ __forceinline__ Inputs load(int c) const {
+    const Direct d{*this, c};
+    return Inputs{running_mean != nullptr ? d.rm() : C(0),
+                  running_var != nullptr ? d.rv() : C(0), d.w(), d.b()};
+  }
   __device__ __forceinline__ void operator()(int c, const Stats<C>& st) const {
+    (*this)(c, st, Direct{*this, c});
+  }
+  template <typename In>
+  __device__ __forceinline__ void operator()(int c, const Stats<C>& st, const In& in) const {
     C mean, var;
     if (training) {
       mean = st.mean;
       var = st.m2 / count;
     } else {
-      mean = running_mean[c];
-      var = running_var[c];
+      mean = in.rm();
+      var = in.rv();
     }
     const C invstd = training ? C(1) / sqrt(var + eps) : eval_invstd(var + eps);
     if (training) {
       if (running_mean != nullptr)
-        running_mean[c] = (C(1) - momentum) * running_mean[c] + momentum * mean;
+        running_mean[c] = (C(1) - momentum) * in.rm() + momentum * mean;
       if (running_var != nullptr)
-        running_var[c] = (C(1) - momentum) * running_var[c] + momentum * (st.m2 / (count - C(1)));
+        running_var[c] = (C(1) - momentum) * in.rv() + momentum * (st.m2 / (count - C(1)));
     }
     if (mean_out != nullptr) mean_out[c] = mean;
     if (invstd_out != nullptr) invstd_out[c] = invstd;
     if (var_out != nullptr) var_out[c] = var;
-    if (coef != nullptr) {
-      const C w = weight != nullptr ? weight[c] : C(1);
-      coef[c] = Coef<C>{mean, w * invstd, bias != nullptr ? bias[c] : C(0), C(0)};
-    }
+    if (coef != nullptr) coef[c] = Coef<C>{mean, in.w() * invstd, in.b(), C(0)};
   }
 };
 
