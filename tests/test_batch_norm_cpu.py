@@ -844,8 +844,8 @@ def test_h200_columns_grid_takes_one_wave_up_to_16_packs_a_thread(shape, dtype, 
     t = bp.tuning_for(h200)
     assert t.bn_apply_cols_few_packs_16bit == 16
     assert bp.tuning_for(H100).bn_apply_cols_few_packs_16bit == 0
-    assert dataclasses.replace(t, bn_apply_cols_few_packs_16bit=0,
-                               bn_cols_stats_blocks_per_sm=4) == bp.tuning_for(H100)
+    assert dataclasses.replace(t, bn_apply_cols_few_packs_16bit=0, bn_cols_stats_blocks_per_sm=4,
+                               bn_cols_grad_waves=2) == bp.tuning_for(H100)
     for op, kw in (("batch_norm", {"training": False}), ("batch_norm_backward", {})):
         one_wave = h200.sms * t.bn_apply_blocks_per_sm_cols
         g200 = plan(op, shape, dtype, layout="NHWC", device=h200, **kw).steps[-1].grid[0]
@@ -860,7 +860,7 @@ def test_h200_columns_grid_takes_one_wave_up_to_16_packs_a_thread(shape, dtype, 
             assert g100 > one_wave  # the H100's waves grid
 
 
-def test_h200_columns_statistics_take_two_blocks_an_sm():
+def test_h200_columns_reductions_take_fewer_blocks():
     # the H200's table: columns statistics grids of one wave of 2 blocks an SM (the H100: 4),
     # so twice the rows a thread and half the partial states
     h200 = DeviceSpec.h200()
@@ -874,10 +874,18 @@ def test_h200_columns_statistics_take_two_blocks_an_sm():
         assert blocks200 <= h200.sms * 2
         assert p200.splits == h200.sms * 2 // p200.steps[0].grid[0]  # whole waves
         assert p200.splits < p100.splits
-    # the other passes keep their grids
-    q200 = plan("batch_norm_backward", (64, 1024, 14, 14), "float16", "NHWC", device=h200)
-    q100 = plan("batch_norm_backward", (64, 1024, 14, 14), "float16", "NHWC")
-    assert q200.splits == q100.splits
+    # columns gradient sums: one wave of resident blocks there, two on the H100; planes
+    # reductions keep bn_reduce_waves
+    t200 = bp.tuning_for(h200)
+    assert t200.bn_cols_grad_waves == 1 and bp.tuning_for(H100).bn_cols_grad_waves == 2
+    for shape in ((4096, 4096), (8, 64, 16, 56, 56)):
+        q200 = plan("batch_norm_backward", shape, "float16", "NHWC", device=h200)
+        q100 = plan("batch_norm_backward", shape, "float16", "NHWC")
+        assert q200.steps[0].kind == q100.steps[0].kind == "grad_cols"
+        resident = h200.sms * t200.bn_cols_reduce_blocks_per_sm
+        assert q200.steps[0].grid[0] * q200.splits <= resident < q100.steps[0].grid[0] * q100.splits
+    planes = plan("batch_norm_backward", (64, 64, 112, 112), "float16", device=h200)
+    assert planes.splits == plan("batch_norm_backward", (64, 64, 112, 112), "float16").splits
 
 
 def test_few_large_planes_split_inside_planes():

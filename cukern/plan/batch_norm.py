@@ -180,7 +180,8 @@ def _reduce_step(kind: str, dtype: str, view: ChannelView, pack: int, device: De
         occupancy = min(occupancy, tuning.bn_cols_stats_blocks_per_sm if kind == "stats"
                         else tuning.bn_cols_reduce_blocks_per_sm)
     resident = device.sms * occupancy
-    waves = tuning.bn_cols_stats_waves if cols and kind == "stats" else tuning.bn_reduce_waves
+    waves = ((tuning.bn_cols_stats_waves if kind == "stats" else tuning.bn_cols_grad_waves)
+             if cols else tuning.bn_reduce_waves)
     target = resident * waves
     # columns splits are ranges of rows; planes splits ranges of a channel's packs (a split may
     # begin or end inside a plane: (2, 8, 2^27) had 2 splits of 2^27 values a channel, 16

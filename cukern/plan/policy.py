@@ -76,6 +76,8 @@ class Tuning:
     # ... columns statistics: one wave. H100 fp16 NHWC (256, 512, 28, 28): 109.5 us at two
     # waves (528 x 2 blocks), 92.4 us at one; other shapes equal
     bn_cols_stats_waves: int = 1
+    # ... columns gradient sums: two waves of resident blocks (the planes' bn_reduce_waves)
+    bn_cols_grad_waves: int = 2
     # a planes split keeps at least this many packs a thread (x unroll), so short splits stay
     # busy. H100 statistics pass at 2 -> 8: fp16 (64, 512, 28, 28) 30.7 -> 23.8 us (3 splits
     # -> 1, no merge launch), bf16 (256, 1024, 14, 14) 52.6 -> 45.1, fp16 (64, 256, 56, 56)
@@ -261,8 +263,11 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # H200: the H100's SMs with HBM3e (4.8 TB/s against 3.35): measured on it.
 # bn_cols_stats_blocks_per_sm 2 (H200, statistics pass alone, CUPTI): fp16 NHWC (64, 1024, 14,
 # 14) 15.9 -> 14.5 us, NC (65536, 256) 18.6 -> 17.3; (64, 64, 112, 112) and the float32 and 5-D
-# shapes tried within 0.6 us
-_MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2}}
+# shapes tried within 0.6 us. bn_cols_grad_waves 1 (gradient sums alone): fp16 NC (4096, 4096)
+# 29.0 -> 26.5 us, NHWC (64, 64, 112, 112) 66.1 -> 63.8, (8, 64, 16, 56, 56) 39.4 -> 37.3;
+# (64, 1024, 14, 14) and float32 (64, 2048, 7, 7) within 0.1
+_MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
+                    "bn_cols_grad_waves": 1}}
 
 
 def tuning_for(device) -> Tuning:
