@@ -58,6 +58,8 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
   const i64 plane_stride = static_cast<i64>(Cn) * B;
   const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
+  // !SPAN: B is a multiple of PACK, so packs index from the split's first pack by whole planes
+  const i64 first_pack = first / PACK, plane_packs = plane_stride / PACK;
   // every thread shifts by the split's first value of the channel (one broadcast load)
   bn::Running<C> run{bn::Stats<C>::identity(), {Num<T>::to(x[first]), C(0), C(0)}, 0};
   bn::Shifted<C>& acc = run.cur;
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
           if (in[u] != 0u) p[u] = bn::load_pack<T, PACK>(x, start / PACK + w);
         } else {
           in[u] = bn::kFullPack<PACK>;
-          p[u] = bn::load_pack<T, PACK>(x, (first + a * plane_stride) / PACK + w);
+          p[u] = bn::load_pack<T, PACK>(x, first_pack + static_cast<i64>(a) * plane_packs + w);
         }
       }
     }
@@ -498,24 +500,28 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
   const i64 plane_stride = static_cast<i64>(Cn) * B;
   const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
+  // !SPAN: B is a multiple of PACK, so packs index from the split's first pack by whole planes
+  const i64 first_pack = first / PACK, plane_packs = plane_stride / PACK;
   const C m = mean[c];
   C sg = C(0), sgx = C(0);
   const unsigned nt = blockDim.x;
-  for (unsigned j0 = j_lo + threadIdx.x; j0 < L; j0 += nt * U) {
+  // U packs nt apart: groups wholly inside the split take no bounds test (check false; each
+  // call site inlines its own copy)
+  auto group = [&](unsigned j0, bool check) {
     Pack<T, PACK> pd[U], px[U];
     unsigned bits[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const unsigned j = j0 + u * nt;
       bits[u] = 0;
-      if (j < L) {
+      if (!check || j < L) {
         const unsigned a = div.div(j), w = j - a * W;
         const i64 start = first + a * plane_stride;
         const unsigned in = SPAN ? bn::plane_bits<PACK>(static_cast<int>(w) * PACK -
                                                         static_cast<int>(start % PACK), B)
                                  : bn::kFullPack<PACK>;
         if (in != 0u) {
-          const i64 i = start / PACK + w;
+          const i64 i = SPAN ? start / PACK + w : first_pack + static_cast<i64>(a) * plane_packs + w;
           pd[u] = bn::load_pack<T, PACK>(dy, i);
           px[u] = bn::load_pack<T, PACK>(x, i);
           bits[u] = in & (mask != nullptr ? bn::mask_bits<PACK>(mask, i) : ~0u);
@@ -532,7 +538,11 @@ __global__ void __launch_bounds__(kBnReduceThreads)
         sgx += keep ? g * (pack_value(px[u], k) - m) : C(0);
       }
     }
-  }
+  };
+  unsigned j0 = j_lo + threadIdx.x;
+  for (; static_cast<i64>(j0) + (U - 1) * static_cast<i64>(nt) < L; j0 += nt * U)
+    group(j0, false);
+  if (j0 < L) group(j0, true);
   unsigned phase = 0;
   const bn::GradSums<C> r = allreduce_block(bn::GradSums<C>{{sg, sgx}}, phase);
   if (threadIdx.x != 0) return;
