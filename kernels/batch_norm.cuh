@@ -58,8 +58,6 @@ __global__ void __launch_bounds__(kBnReduceThreads)
   const bn::FastDiv div{static_cast<unsigned>(W), w_m, w_s};
   const i64 plane_stride = static_cast<i64>(Cn) * B;
   const i64 first = (a0 * Cn + c) * B;  // the split's first plane's first element
-  // !SPAN: B is a multiple of PACK, so packs index from the split's first pack by whole planes
-  const i64 first_pack = first / PACK, plane_packs = plane_stride / PACK;
   // every thread shifts by the split's first value of the channel (one broadcast load)
   bn::Running<C> run{bn::Stats<C>::identity(), {Num<T>::to(x[first]), C(0), C(0)}, 0};
   bn::Shifted<C>& acc = run.cur;
@@ -82,7 +80,7 @@ __global__ void __launch_bounds__(kBnReduceThreads)
           if (in[u] != 0u) p[u] = bn::load_pack<T, PACK>(x, start / PACK + w);
         } else {
           in[u] = bn::kFullPack<PACK>;
-          p[u] = bn::load_pack<T, PACK>(x, first_pack + static_cast<i64>(a) * plane_packs + w);
+          p[u] = bn::load_pack<T, PACK>(x, (first + a * plane_stride) / PACK + w);
         }
       }
     }
