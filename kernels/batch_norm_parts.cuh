@@ -228,7 +228,6 @@ __device__ __forceinline__ void copy_then_use(int mine, const Copy& copy, const 
   }
 }
 
-// The N mask bits of the pack at flat pack index i (all in one word: 32 % N == 0).
 // Element k of a pack in the compute type, for the columns reductions: float16 values come
 // out of their 32-bit word by a half selector of the conversion (pack_value goes through the
 // 16-bit element: a shift or move first, 1.5 instructions a value more).
@@ -284,6 +283,7 @@ __device__ __forceinline__ unsigned rows_below(i64 first, i64 end, int step) {
   return first < end ? static_cast<unsigned>((end - 1 - first) / step) + 1u : 0u;
 }
 
+// The N mask bits of the pack at flat pack index i (all in one word: 32 % N == 0).
 template <int N> __device__ __forceinline__ unsigned mask_bits(const unsigned* mask, i64 i) {
   const i64 e = i * N;
   return (__ldg(mask + (e >> 5)) >> (e & 31)) & ((N == 32 ? 0u : (1u << N)) - 1u);
