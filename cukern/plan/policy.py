@@ -98,8 +98,8 @@ class Tuning:
     # model of threads and shared memory misses): ptxas gives grad_cols<f16, 8> 74 registers,
     # 3 blocks of 256 threads; their grids are sized in whole waves of these
     bn_cols_reduce_blocks_per_sm: int = 3
-    # ... and columns statistics blocks: ptxas gives stats_cols 46-64 registers (every dtype
-    # and pack) since the shifted sums lost their per-value count and branch (72 before): 4
+    # ... and columns statistics blocks: stats_cols is bounded to 64 registers (4 blocks of
+    # 256; ptxas gives 40-64, every dtype and pack): 4
     bn_cols_stats_blocks_per_sm: int = 4
     # the narrowest statistics / gradient-sum tile (channel packs) the planner narrows to where
     # the widest tiles leave the SMs short of blocks: 32 (no narrowing, the widest tile up to
