@@ -186,7 +186,7 @@ struct PermuteTileArgs {
   long long tiles;              // batch x tiles along o x tiles along i
   int ti, to;                   // tile extents along i and o
   int pitch;                    // shared-memory elements between tile rows
-  int nti, nto;                 // tiles along i and o, and their FastDiv constants
+  int nti, nto;                 // tiles along i a panel and along o, their FastDiv constants
   unsigned nti_m, nti_s, nto_m, nto_s;
   int flat_in;                  // ti == si and o_in == si: a tile's input is one run
   int flat_out;                 // to == so and i_out == so: a tile's output is one run
@@ -196,6 +196,9 @@ struct PermuteTileArgs {
   int group;                    // log2 of the o-words adjacent lanes take (row output)
   unsigned ti_m, ti_s;          // FastDiv constants of ti
   unsigned so_m, so_s;          // FastDiv constants of so (flat output)
+  int npi;                      // panels along i (nti tiles each), and its FastDiv constants
+  unsigned npi_m, npi_s;
+  int pad_;
 };
 
 namespace perm {
@@ -488,11 +491,15 @@ __global__ void __launch_bounds__(perm::kThreads)
   const T* __restrict__ xb = x + a.in_base;
   T* __restrict__ yb = y + a.out_base;
   for (IDX t = blockIdx.x; t < IDX(a.tiles); t += gridDim.x) {
-    // the tile: i fastest, then o, then the batch
+    // the tile: i fastest inside a panel of nti tiles along i, then o, then the panels, then
+    // the batch (one panel: i, then o)
     const unsigned r1 = perm::fdiv(unsigned(t), a.nti_m, a.nti_s);
-    const unsigned tb = perm::fdiv(r1, a.nto_m, a.nto_s);
-    const IDX i0 = IDX(unsigned(t) - r1 * unsigned(a.nti)) * ti;
-    const IDX o0 = IDX(r1 - tb * unsigned(a.nto)) * to;
+    const unsigned r2 = perm::fdiv(r1, a.nto_m, a.nto_s);
+    const unsigned tb = perm::fdiv(r2, a.npi_m, a.npi_s);
+    const IDX i0 =
+        IDX((r2 - tb * unsigned(a.npi)) * unsigned(a.nti) + (unsigned(t) - r1 * unsigned(a.nti))) *
+        ti;
+    const IDX o0 = IDX(r1 - r2 * unsigned(a.nto)) * to;
     IDX ib = 0, ob = 0;
     perm::batch_offsets(a.batch, IDX(tb), ib, ob);
     const int ti_e = int(si - i0 < IDX(ti) ? si - i0 : IDX(ti));  // extents of this tile

@@ -391,14 +391,75 @@ def test_fast_div_is_exact():
 
 def test_argument_structs_match_the_header():
     # sizes and offsets as the C structs (natural alignment): perm::Batch 264 bytes,
-    # PermuteRowsArgs 344, PermuteTileArgs 400
+    # PermuteRowsArgs 344, PermuteTileArgs 416
     assert fam.BATCH.itemsize == 264
     assert fam.ROWS_ARGS.itemsize == 344 and fam.ROWS_ARGS.fields["tail"][1] == 336
-    assert fam.TILE_ARGS.itemsize == 400
+    assert fam.TILE_ARGS.itemsize == 416
     assert fam.TILE_ARGS.fields["ti"][1] == 320 and fam.TILE_ARGS.fields["so_s"][1] == 396
+    assert fam.TILE_ARGS.fields["npi_s"][1] == 408
     src = _compile.source("permute")
     for name in list(fam.ROWS_ARGS.names) + list(fam.TILE_ARGS.names) + list(fam.BATCH.names):
         assert name in src, name
+
+
+def tile_order(a) -> list[tuple[int, int, int]]:
+    """(batch, i tile, o tile) of every tile index, in order, as permute_tile decomposes it
+    from the argument struct ``a`` (one row of kernel_args)."""
+    nti, nto, npi = int(a["nti"]), int(a["nto"]), int(a["npi"])
+    order = []
+    for t in range(int(a["tiles"])):
+        r1 = fdiv(t, a["nti_m"], a["nti_s"])
+        r2 = fdiv(r1, a["nto_m"], a["nto_s"])
+        tb = fdiv(r2, a["npi_m"], a["npi_s"])
+        order.append((tb, (r2 - tb * npi) * nti + t - r1 * nti, r1 - r2 * nto))
+    return order
+
+
+def fdiv(n: int, m, s) -> int:
+    """perm::fdiv: (umulhi(n, m) + n) >> s."""
+    return ((n * int(m)) >> 32) + n >> int(s)
+
+
+@pytest.mark.parametrize("panel", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("shape,axes,itemsize", [
+    ((520, 1030), (1, 0), 2),         # 17 tiles along i (odd: panels of 1), 9 along o
+    ((3, 300, 1024), (0, 2, 1), 4),   # 16 along i, 5 along o, a batch of 3
+    ((2, 200, 14, 14), (0, 2, 3, 1), 4),
+    ((700, 2048), (1, 0), 1),         # 16 along i (128-wide int8 tiles), 11 along o
+])
+def test_panel_order_visits_every_tile_once(shape, axes, itemsize, panel):
+    # perm_panel_tiles: tiles run a panel of up to that many tiles along i (a power of two
+    # dividing their count), then o, then the next panel; every tile exactly once
+    p = plan(shape, axes, itemsize, tuning=dataclasses.replace(HOPPER, perm_panel_tiles=panel))
+    assert p.kind == "tile"
+    a = fam.kernel_args(p)[0]
+    ti, to = p.tile
+    nti, nto = -(-p.i_dim.size // ti), -(-p.o_dim.size // to)
+    batch = p.tiles // (nti * nto)
+    order = tile_order(a)
+    assert sorted(order) == [(b, i, o) for b in range(batch) for i in range(nti)
+                             for o in range(nto)]
+    h = p.panel or nti
+    assert int(a["nti"]) == h and int(a["npi"]) * h == nti
+    if panel == 0 or nti <= panel:  # one panel: i first, as without panels
+        assert p.panel == 0
+    else:
+        assert 1 <= p.panel <= panel and nti % p.panel == 0
+        assert p.panel == max(d for d in (1, 2, 4, 8) if d <= panel and nti % d == 0)
+    # the order: a panel's tiles along i, then along o, then the next panel
+    assert order[:h] == [(0, i, 0) for i in range(h)]
+    assert order[h] == (0, 0, 1) if nto > 1 else (0, h, 0)
+
+
+def test_h200_plans_tiles_along_o_first():
+    # the H200's table runs tiles along o first (perm_panel_tiles 1); the H100 keeps i first
+    h200 = DeviceSpec.h200()
+    assert pp.tuning_for(h200).perm_panel_tiles == 1 and HOPPER.perm_panel_tiles == 0
+    p200, p100 = plan((16384, 16384), (1, 0), 2, h200), plan((16384, 16384), (1, 0), 2)
+    assert p200.panel == 1 and p100.panel == 0
+    assert dataclasses.replace(p200, panel=0, device="", notes=()) == \
+        dataclasses.replace(p100, device="", notes=())
+    assert "panels of 1 tiles along i" in str(p200)
 
 
 def test_kernel_args_of_a_tile_plan():

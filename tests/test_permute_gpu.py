@@ -325,6 +325,25 @@ def test_all_rank_3_permutations_past_a_tile(axes, dtype, rng):
     check(xd, xh, axes)
 
 
+@pytest.mark.parametrize("panel", [1, 2, 4])
+@pytest.mark.parametrize("dtype", SIZE_DTYPES)
+@pytest.mark.parametrize("case", [((2100, 2300), (1, 0)), ((2, 1100, 2300), (0, 2, 1)),
+                                  ((2, 2100, 47, 53), (0, 2, 3, 1))], ids=_id)
+def test_tiles_in_panels(case, dtype, panel, rng, monkeypatch):
+    # tiles run in panels along i (perm_panel_tiles), partial tiles on both sides and batches
+    from cukern.ops import permute as ops
+
+    plan_with(monkeypatch, perm_panel_tiles=panel)
+    try:
+        shape, axes = case
+        xh, xd = put(rng, shape, dtype)
+        p = ops.plan_for(xd, axes)
+        assert p.kind == "tile" and 1 <= p.panel <= panel, p
+        check(xd, xh, axes)
+    finally:
+        clear_launches()
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("case", [((2, 3, 20, 20), (0, 2, 3, 1)), ((2, 20, 20, 3), (0, 3, 1, 2)),
                                   ((5, 7, 9, 11), (2, 0, 3, 1)), ((33, 65), (1, 0)),

@@ -52,7 +52,9 @@ TILE_ARGS = np.dtype([("batch", BATCH), ("in_base", np.int64), ("out_base", np.i
                       ("in_words", np.int32), ("in_words_m", np.uint32),
                       ("in_words_s", np.uint32), ("out_words", np.int32), ("group", np.int32),
                       ("ti_m", np.uint32), ("ti_s", np.uint32),
-                      ("so_m", np.uint32), ("so_s", np.uint32)], align=True)
+                      ("so_m", np.uint32), ("so_s", np.uint32), ("npi", np.int32),
+                      ("npi_m", np.uint32), ("npi_s", np.uint32), ("pad_", np.int32)],
+                     align=True)
 
 
 def _name(targs: tuple) -> str:
@@ -107,6 +109,8 @@ def kernel_args(plan: pp.PermutePlan) -> np.ndarray:
         i, o = plan.i_dim, plan.o_dim
         ti, to = plan.tile
         nti = 1 if plan.flat_in else -(-i.size // ti)
+        npi = nti // plan.panel if plan.panel else 1  # panels along i
+        nti //= npi
         nto = 1 if plan.flat_out else -(-o.size // to)
         in_words = 0 if plan.flat_in else ti // plan.vec_in
         out_words = 0 if plan.flat_out else to // plan.vec_out
@@ -122,6 +126,8 @@ def kernel_args(plan: pp.PermutePlan) -> np.ndarray:
         r["out_words"], r["group"] = out_words, plan.group
         r["ti_m"], r["ti_s"] = pp.fast_div(ti)
         r["so_m"], r["so_s"] = pp.fast_div(o.size)
+        r["npi"] = npi
+        r["npi_m"], r["npi_s"] = pp.fast_div(npi)
         return a
     a = np.zeros(1, ROWS_ARGS)
     r = a[0]

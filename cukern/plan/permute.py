@@ -251,6 +251,7 @@ class PermutePlan:
     skew_regs: bool = False  # SK: phase 2 reads 32-bit columns of a flat run over skewed rows
     pitch: int = 0
     group: int = 0
+    panel: int = 0  # tiles along i a panel (tiles run i, o, then panels); 0: one panel
     smem: int = 0
     device: str = ""
     label: str = ""
@@ -291,6 +292,9 @@ class PermutePlan:
             flat = f"; flat {' and '.join(sides)} run" if sides else ""
             lines.append(f"  tile               {ti} x {to} (i x o){flat}, shared memory "
                          f"{self.smem} B (row pitch {self.pitch})")
+            if self.panel:
+                lines.append(f"  order              panels of {self.panel} tiles along i: "
+                             f"i, then o, then the next panel")
             lines.append(f"  vectors            loads {self.vec_in} x {self.elem} B along "
                          f"{'the input run' if self.flat_in else 'i'}, stores {self.vec_out} x "
                          f"{self.elem} B along {'the output run' if self.flat_out else 'o'}")
@@ -429,6 +433,20 @@ def _rows_plan(kind: str, dims, elem: int, ia: int, oa: int, in_base: int, out_b
                        segs=segs, tail=tail)
 
 
+def _panel(nti: int, nto: int, tuning: Tuning) -> int:
+    """Tiles along i a panel (0: all of them): the largest power of two up to the tuning's
+    perm_panel_tiles that divides nti, where that leaves more than one panel and o has more
+    than one tile. Blocks then run a panel's tiles along i, then along o: an output row's
+    neighbouring tiles are stored close in time."""
+    cap = tuning.perm_panel_tiles
+    if cap < 1 or nto < 2 or nti <= cap:
+        return 0
+    h = 1 << (cap.bit_length() - 1)
+    while nti % h:
+        h //= 2
+    return h
+
+
 def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_base: int,
                device: DeviceSpec, tuning: Tuning) -> PermutePlan | None:
     o, i = dims[-1], dims[i_at]
@@ -453,6 +471,7 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
     regs = byte_regs(shape, elem, tuning)
     sk = skew_regs(shape, o, elem, tuning)
+    panel = _panel(nti, nto, tuning)
     if sk >= 0:  # phase 2's lanes: runs of perm_skew_words words of a channel
         words = tuning.perm_skew_words[SKEW_SIZES.index(elem)]
         shape = shape._replace(group=words.bit_length() - 1)
@@ -461,7 +480,7 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
                        i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
                        flat_out=shape.flat_out, regs=regs, flat_regs=fo, skew_regs=sk >= 0,
-                       pitch=shape.pitch, group=shape.group, smem=smem)
+                       pitch=shape.pitch, group=shape.group, panel=panel, smem=smem)
 
 
 def reachable_steps() -> list[tuple]:

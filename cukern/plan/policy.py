@@ -247,6 +247,12 @@ class Tuning:
     # 16-bit 2.1-8.3 points over the gather where 2 took 0.4-4.6 ((256, 14, 14, 1024) 86.4 ->
     # 90.4%), int8 (256, 7, 7, 2048) 65.2 -> 61.0%
     perm_skew_words: tuple[int, int] = (2, 4)
+    # tile order: blocks take at most this many tiles along i (a power of two dividing the
+    # count), then the next tile along o, then the next panel; 0: all tiles along i first. The
+    # H200 takes 1 (tiles along o first), against 0 in the same rounds: 2-D fp16 16384^2
+    # 87.1 -> 92.8% of copy, 32768^2 81.7 -> 88.1, int8 32768^2 80.7 -> 89.2, fp32 -1 to +2.4
+    # elsewhere in 2-D; 2, 4 and 8 gained less; ResNet NCHW/NHWC shapes within 0.7
+    perm_panel_tiles: int = 0
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it but where a
@@ -267,7 +273,7 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # 29.0 -> 26.5 us, NHWC (64, 64, 112, 112) 66.1 -> 63.8, (8, 64, 16, 56, 56) 39.4 -> 37.3;
 # (64, 1024, 14, 14) and float32 (64, 2048, 7, 7) within 0.1
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
-                    "bn_cols_grad_waves": 1}}
+                    "bn_cols_grad_waves": 1, "perm_panel_tiles": 1}}
 
 
 def tuning_for(device) -> Tuning:
