@@ -3,9 +3,11 @@ element a shared-memory load: perm_byte_regs (the register transpose of 1- and 2
 elements, output rows), perm_flat_regs (the interleave of flat output runs of 3-element
 blocks) and perm_skew_regs (skewed 32-bit columns of flat output runs of channels: 7x7, 14x14,
 int8 28x28 planes NHWC -> NCHW; off, those plan as before: the gather of 7x7 runs, row tiles
-of the rest), each by a changed table for the whole run (``--byte-regs``, ``--flat-regs``,
-``--skew-regs``) or timed against the plan without it in the same rounds (``--ab-byte-regs``,
-``--ab-flat-regs``, ``--ab-skew-regs``; peer ``gather``)."""
+of the rest) and perm_async_copy (phase 1 of tiles with a flat side by cp.async; off, through
+registers), each by a changed table for the whole run (``--byte-regs``, ``--flat-regs``,
+``--skew-regs``, ``--async-regs``) or timed against the plan without it in the same rounds
+(``--ab-byte-regs``, ``--ab-flat-regs``, ``--ab-skew-regs``, ``--ab-async-regs``; peer
+``gather``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ __all__ = ["SWITCHES", "force_regs", "force_byte_regs", "sizes_arg", "byte_regs_
 # switch -> (Tuning field, PermutePlan attribute set where the plan takes it, sizes it takes)
 SWITCHES = {"byte": ("perm_byte_regs", "regs", (1, 2)),
             "flat": ("perm_flat_regs", "flat_regs", (1, 2, 4)),
-            "skew": ("perm_skew_regs", "skew_regs", (1, 2))}
+            "skew": ("perm_skew_regs", "skew_regs", (1, 2)),
+            "async": ("perm_async_copy", "async_copy", (1, 2, 4, 8, 16))}
 
 
 def force_regs(changes: dict) -> None:
@@ -68,7 +71,9 @@ _HELP = {"byte": ("element sizes whose tile phase 2 transposes in registers (1,2
                   "/ ... / none)", "interleaves a flat output run"),
          "skew": ("element sizes whose flat output runs of channels read skewed columns (1,2 "
                   "/ 1 / 2 / none: 7x7 runs gathered, 14x14 and int8 28x28 row tiles)",
-                  "reads skewed columns")}
+                  "reads skewed columns"),
+         "async": ("element sizes whose tiles with a flat side copy phase 1 by cp.async "
+                   "(1,2,4,8,16 / ... / none: through registers)", "copies by cp.async")}
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:

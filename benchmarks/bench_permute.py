@@ -19,7 +19,8 @@ Host overhead: time per call on a 4x32 float32 array, best of 5 x 1000 calls.
 
     python benchmarks/bench_permute.py [--quick] [--groups ...] [--dtypes ...] [--out DIR]
         [--byte-regs 1,2|1|2|none] [--ab-byte-regs] [--flat-regs 1,2,4|...|none]
-        [--ab-flat-regs] [--skew-regs 1,2|1|2|none] [--ab-skew-regs] [--tag TAG]
+        [--ab-flat-regs] [--skew-regs 1,2|1|2|none] [--ab-skew-regs]
+        [--async-regs 1,2,4,8,16|...|none] [--ab-async-regs] [--tag TAG]
 
 ``--byte-regs`` plans with the tuning's perm_byte_regs set to those element sizes (the tile
 kernel's phase 2 transposing 32-bit shared-memory words in registers; ``none``: the gather of
@@ -31,7 +32,9 @@ its % of copy on each line, its time in the history row's note). ``--flat-regs``
 interleaved from 16-byte shared-memory row chunks); ``--skew-regs`` and ``--ab-skew-regs`` for
 perm_skew_regs (flat output runs of channels read in skewed 32-bit columns: 7x7, 14x14 and int8
 28x28 NHWC -> NCHW; its ``gather`` peer is the plan without it: the 7x7 gather, row tiles
-elsewhere); several A/B flags together time one gather peer wherever any of the paths runs.
+elsewhere); ``--async-regs`` and ``--ab-async-regs`` for perm_async_copy (phase 1 of tiles
+with a flat side by cp.async: its ``gather`` peer loads through registers); several A/B flags
+together time one gather peer wherever any of the paths runs.
 
 Writes permute_<gpu>.json and .png, appends a row per shape to history.csv (every run; the
 CuPy peer's time is in the row's note), prints a table and the issue's targets met or missed.

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -351,14 +352,16 @@ def test_reachable_covers_planner_output():
     # rows; tiles of 1, 2, 4, 8, 16 bytes; the register phase 2 of 1- and 2-byte elements
     # (words of 4, 8, 16 bytes both ways); the flat-run interleave of 1-, 2- and 4-byte
     # elements (loads of 4, 8, 16 bytes, 16-byte stores); the skewed columns of 1- and 2-byte
-    # elements (16-byte words, D = 0, 1, 4); 32- and 64-bit
-    assert len(reach) == 2 * (5 + 25 + 16 + 9 + 4 + 1 + 9 + 9 + 9 + 6)
+    # elements (16-byte words, D = 0, 1, 4); every tile kernel again with phase 1 by
+    # cp.async; 32- and 64-bit
+    assert len(reach) == 2 * (5 + 2 * (25 + 16 + 9 + 4 + 1 + 9 + 9 + 9 + 6))
     names = fam.kernel_names("permute")("float16")
     assert names == {fam._name(t) for t in reach}
     rnd = random.Random(7)
     seen = set()
     off = dataclasses.replace(HOPPER, perm_byte_regs=(), perm_flat_regs=(), perm_skew_regs=())
-    for k in range(400):
+    asy = dataclasses.replace(HOPPER, perm_async_copy=pp.ASYNC_SIZES)
+    for k in range(600):
         nd = rnd.randint(1, 5)
         shape = tuple(rnd.choice((1, 2, 3, 7, 8, 16, 49, 64, 200)) for _ in range(nd))
         if math.prod(shape) == 0:
@@ -367,11 +370,15 @@ def test_reachable_covers_planner_output():
         rnd.shuffle(axes)
         item = rnd.choice(pp.WORDS)
         p = plan(shape, axes, item, in_align=rnd.choice((1, 2, 4, 8, 16)),
-                 out_align=rnd.choice((1, 2, 4, 8, 16)), tuning=off if k % 2 else None)
+                 out_align=rnd.choice((1, 2, 4, 8, 16)),
+                 tuning=(None, off, asy)[k % 3])
         assert p.targs in reach and p.kernel == fam._name(p.targs)
-        seen.add((p.kind, p.regs, p.flat_regs))
-        assert not (k % 2 and (p.regs or p.flat_regs or p.skew_regs))
-    assert {k for k, _, _ in seen} == set(pp.KINDS) and ("tile", True, 0) in seen
+        seen.add((p.kind, p.regs, p.flat_regs, p.async_copy))
+        assert not (k % 3 == 1 and (p.regs or p.flat_regs or p.skew_regs))
+        assert p.async_copy == (k % 3 == 2 and (p.flat_in or p.flat_out)
+                                and p.smem <= asy.perm_async_max_bytes * (1 + (p.grid < p.tiles)))
+    assert {k for k, _, _, _ in seen} == set(pp.KINDS) and ("tile", True, 0, False) in seen
+    assert any(k == "tile" and a for k, _, _, a in seen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +542,9 @@ def test_every_reachable_instantiation_compiles(arch):
     names = registry.kernel_names(["permute"], ["int8"], device)["permute"]
     missing = [n for n in names if not lowered.get(n)]
     assert not missing, missing[:3]
-    assert len(names) == 186 and sum(n.endswith(", true>") for n in names) == 36
+    assert len(names) == 362 and sum(n.endswith(", true>") for n in names) == 36 + 176
+    assert sum(bool(re.search(r", (int|long long), true>$", n)) for n in names) == 36
+    assert sum(bool(re.search(r", (true|false), \d, -?\d, true>$", n)) for n in names) == 176
     assert sum(n.endswith(", false, 3>") for n in names) == 18
 
 
@@ -605,7 +614,7 @@ def test_registry_entry():
     assert spec.reference is reference.permute and spec.fn is cukern.permute
     assert spec.signature is fam.name_expression
     names = registry.kernel_names(["permute"], ["float32", "int8"], H100)
-    assert set(names) == {"permute"} and len(names["permute"]) == 186
+    assert set(names) == {"permute"} and len(names["permute"]) == 362
     assert registry.get("permute").cli_name == "permute"
 
 
@@ -676,3 +685,21 @@ def test_flat_runs_that_split_sectors(shape, item, flat):
             assert p.targs in set(pp.reachable_steps()), p.targs
     with pytest.raises(ValueError, match="perm_flat_split"):
         plan(shape, NCHW, item, tuning=dataclasses.replace(HOPPER, perm_flat_split=(3,)))
+
+
+def test_h200_copies_flat_tiles_by_cp_async():
+    # the H200's table: tiles with a flat side of at most perm_async_max_bytes copy phase 1 by
+    # cp.async; row tiles and the H100 keep the loads through registers
+    h200 = DeviceSpec.h200()
+    t = pp.tuning_for(h200)
+    assert t.perm_async_copy == pp.ASYNC_SIZES and HOPPER.perm_async_copy == ()
+    for shape, axes, item, want in [((64, 7, 7, 2048), NCHW, 2, True),     # skewed columns
+                                    ((64, 2048, 7, 7), NHWC, 2, True),     # a flat input run
+                                    ((64, 3, 224, 224), NHWC, 2, True),    # C = 3
+                                    ((64, 256, 56, 56), NHWC, 2, False),   # row tiles
+                                    ((64, 28, 28, 512), NCHW, 1, False)]:  # a 28 KB tile
+        p, q = plan(shape, axes, item, h200), plan(shape, axes, item)
+        assert p.async_copy == want and not q.async_copy, (shape, str(p))
+        assert p.async_copy == ((p.flat_in or p.flat_out) and p.smem <= t.perm_async_max_bytes)
+        assert p.targs == q.targs[:8] + (want,) and p.kernel == fam._name(p.targs)
+        assert ("cp.async" in str(p)) == want

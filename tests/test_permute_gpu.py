@@ -344,6 +344,39 @@ def test_tiles_in_panels(case, dtype, panel, rng, monkeypatch):
         clear_launches()
 
 
+ASYNC_CASES = [((40, 3, 40, 41), (0, 2, 3, 1)),  # C = 3: a flat output run
+               ((24, 41, 40, 3), (0, 3, 1, 2)),  # a flat input run of 3
+               ((9, 200, 7, 7), (0, 2, 3, 1)),   # a flat input run of 49
+               ((9, 7, 7, 200), (0, 3, 1, 2)),   # a flat output run of 49 (skewed columns)
+               ((5, 14, 14, 96), (0, 3, 1, 2))]  # of 196
+
+
+@pytest.mark.parametrize("looping", [False, True], ids=["tile-a-block", "two-buffers"])
+@pytest.mark.parametrize("dtype", SIZE_DTYPES)
+@pytest.mark.parametrize("case", ASYNC_CASES, ids=[_id(c) for c in ASYNC_CASES])
+def test_async_copy(case, dtype, looping, rng, monkeypatch):
+    # tiles with a flat side copied by cp.async (perm_async_copy); looping: a grid of 7 blocks,
+    # each copying its next tile into the second buffer while it stores this one
+    from cukern.ops import permute as ops
+    from cukern.plan import permute as pp
+
+    plan_with(monkeypatch, perm_async_copy=pp.ASYNC_SIZES)
+    if looping:
+        monkeypatch.setattr(pp, "_grid", lambda tiles, *a: min(tiles, 7))
+    try:
+        shape, axes = case
+        xh, xd = put(rng, shape, dtype)
+        p = ops.plan_for(xd, axes)
+        assert p.kind == "tile" and (p.grid < p.tiles) == looping, p
+        assert p.async_copy == (p.flat_in or p.flat_out), p  # 16-byte elements: rows at C = 3
+        check(xd, xh, axes)
+        # misaligned pointers: words of fewer elements, partial words at the runs' ends
+        xh, xd, want, o, obuf = put_misaligned(rng, shape, axes, dtype, 1, 3)
+        check_misaligned(xd, axes, want, o, obuf, 3, "async copy")
+    finally:
+        clear_launches()
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("case", [((2, 3, 20, 20), (0, 2, 3, 1)), ((2, 20, 20, 3), (0, 3, 1, 2)),
                                   ((5, 7, 9, 11), (2, 0, 3, 1)), ((33, 65), (1, 0)),

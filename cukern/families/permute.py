@@ -61,10 +61,13 @@ def _name(targs: tuple) -> str:
     if targs[0] == "rows":
         _, word, index = targs
         return f"cukern::permute_rows<{WORD_TYPES[word]}, {_INDEX[index]}>"
-    _, elem, vi, vo, index, regs, fo, sk = targs
-    # REGS, FO and SK default to false, 0 and -1: the gather's names stay as they were
-    tail = ", true" if regs else f", false, {fo}" if fo else f", false, 0, {sk}" if sk >= 0 \
-        else ""
+    _, elem, vi, vo, index, regs, fo, sk, asy = targs
+    # REGS, FO, SK and ASYNC default to false, 0, -1 and false: the names stay as they were
+    if asy:
+        tail = f", {'true' if regs else 'false'}, {fo}, {sk}, true"
+    else:
+        tail = ", true" if regs else f", false, {fo}" if fo else f", false, 0, {sk}" \
+            if sk >= 0 else ""
     return f"cukern::permute_tile<{WORD_TYPES[elem]}, {vi}, {vo}, {_INDEX[index]}{tail}>"
 
 

@@ -70,7 +70,8 @@ __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "ch
            "vector_width",
            "tile_shape", "byte_regs", "flat_regs", "index_bits", "fast_div", "plan_permute",
            "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES", "FLAT_SIZES",
-           "FLAT_RUN", "SKEW_SIZES", "SKEWS", "skew_run", "skew_regs"]
+           "FLAT_RUN", "SKEW_SIZES", "SKEWS", "skew_run", "skew_regs", "async_copy",
+           "ASYNC_SIZES"]
 
 KINDS = ("copy", "tile", "general")
 TILE_UNROLL = 4  # kernels/permute.cuh: perm::kTileUnroll
@@ -78,6 +79,7 @@ MAX_THREADS = 256  # kernels/permute.cuh: perm::kThreads (__launch_bounds__)
 # 32-bit kernels: offsets and counts stay below this (a tile or row tile may overhang its dim)
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
+ASYNC_SIZES = WORDS  # element sizes permute_tile's ASYNC phase 1 takes (every one)
 
 
 def _p2ceil(n: int) -> int:
@@ -252,6 +254,7 @@ class PermutePlan:
     pitch: int = 0
     group: int = 0
     panel: int = 0  # tiles along i a panel (tiles run i, o, then panels); 0: one panel
+    async_copy: bool = False  # ASYNC: phase 1 by cp.async (a looping block: two buffers)
     smem: int = 0
     device: str = ""
     label: str = ""
@@ -292,6 +295,10 @@ class PermutePlan:
             flat = f"; flat {' and '.join(sides)} run" if sides else ""
             lines.append(f"  tile               {ti} x {to} (i x o){flat}, shared memory "
                          f"{self.smem} B (row pitch {self.pitch})")
+            if self.async_copy:
+                lines.append("  phase 1            cp.async: no registers hold the words in flight"
+                             + ("; two buffers, a block's next tile copied while this one is "
+                                "stored" if self.grid < self.tiles else ""))
             if self.panel:
                 lines.append(f"  order              panels of {self.panel} tiles along i: "
                              f"i, then o, then the next panel")
@@ -327,7 +334,8 @@ def _align(ptr_align: int) -> int:
 _SIZE_SWITCHES = (("perm_byte_regs", REGS_SIZES, "the register transpose"),
                   ("perm_flat_regs", FLAT_SIZES, "the flat-run interleave"),
                   ("perm_flat_split", WORDS, "a flat split output run"),
-                  ("perm_skew_regs", SKEW_SIZES, "the skewed-column phase 2"))
+                  ("perm_skew_regs", SKEW_SIZES, "the skewed-column phase 2"),
+                  ("perm_async_copy", ASYNC_SIZES, "the cp.async phase 1"))
 
 
 def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = None, *,
@@ -433,6 +441,15 @@ def _rows_plan(kind: str, dims, elem: int, ia: int, oa: int, in_base: int, out_b
                        segs=segs, tail=tail)
 
 
+def async_copy(shape: TileShape, elem: int, smem: int, tuning: Tuning) -> bool:
+    """Whether the tile's phase 1 copies by cp.async (``permute_tile<..., ASYNC = true>``):
+    ``elem`` in the tuning's perm_async_copy, a flat side (C = 3, 7x7 and 14x14 planes: tiles
+    whose register-held phase 1 leaves few blocks resident) and a tile of at most
+    perm_async_max_bytes of shared memory."""
+    return (elem in tuning.perm_async_copy and (shape.flat_in or shape.flat_out)
+            and smem <= tuning.perm_async_max_bytes)
+
+
 def _panel(nti: int, nto: int, tuning: Tuning) -> int:
     """Tiles along i a panel (0: all of them): the largest power of two up to the tuning's
     perm_panel_tiles that divides nti, where that leaves more than one panel and o has more
@@ -467,7 +484,10 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     tiles = math.prod(b.size for b in batch) * nti * nto
     if tiles >= MAX_TILES:
         raise ValueError(f"plan: {tiles} tiles; the tile kernel takes fewer than 2^31")
+    asy = async_copy(shape, elem, smem, tuning)
     grid = _grid(tiles, threads, smem, device, tuning)
+    if asy and grid < tiles:  # blocks loop over tiles: a second buffer for the next one
+        smem *= 2
     index = index_bits(dims, tiles + grid, i.size + ti, o.size + to)
     regs = byte_regs(shape, elem, tuning)
     sk = skew_regs(shape, o, elem, tuning)
@@ -475,12 +495,13 @@ def _tile_plan(dims, i_at: int, elem: int, ia: int, oa: int, in_base: int, out_b
     if sk >= 0:  # phase 2's lanes: runs of perm_skew_words words of a channel
         words = tuning.perm_skew_words[SKEW_SIZES.index(elem)]
         shape = shape._replace(group=words.bit_length() - 1)
-    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo, sk)
+    targs = ("tile", elem, shape.vec_in, shape.vec_out, index, regs, fo, sk, asy)
     return PermutePlan("tile", elem, (), tuple(dims), elem, elem, shape.vec_in, shape.vec_out,
                        batch, in_base, out_base, (threads, 1), grid, tiles, index, targs,
                        i_dim=i, o_dim=o, tile=(ti, to), flat_in=shape.flat_in,
                        flat_out=shape.flat_out, regs=regs, flat_regs=fo, skew_regs=sk >= 0,
-                       pitch=shape.pitch, group=shape.group, panel=panel, smem=smem)
+                       pitch=shape.pitch, group=shape.group, panel=panel, async_copy=asy,
+                       smem=smem)
 
 
 def reachable_steps() -> list[tuple]:
@@ -491,18 +512,20 @@ def reachable_steps() -> list[tuple]:
     the register phase 2 (18), for 1-, 2- and 4-byte elements those with loads of 4 bytes or
     more and 16-byte stores again with the flat-run interleave (9), and for 1- and 2-byte
     elements those of 16-byte loads and stores with the skewed columns of each D in SKEWS (6),
-    each with 32- and 64-bit indices."""
+    each with 32- and 64-bit indices, and every tile kernel again with phase 1 by cp.async
+    (ASYNC_SIZES)."""
     out: list[tuple] = []
     for index in (32, 64):
         out += [("rows", w, index) for w in WORDS]
         for e in WORDS:
             vs = [v for v in WORDS if v * e <= 16]
-            out += [("tile", e, vi, vo, index, False, 0, -1) for vi in vs for vo in vs]
+            out += [("tile", e, vi, vo, index, False, 0, -1, False) for vi in vs for vo in vs]
             ws = [v for v in vs if v * e >= 4]
             if e in REGS_SIZES:
-                out += [("tile", e, vi, vo, index, True, 0, -1) for vi in ws for vo in ws]
+                out += [("tile", e, vi, vo, index, True, 0, -1, False) for vi in ws for vo in ws]
             if e in FLAT_SIZES:
-                out += [("tile", e, vi, 16 // e, index, False, FLAT_RUN, -1) for vi in ws]
+                out += [("tile", e, vi, 16 // e, index, False, FLAT_RUN, -1, False) for vi in ws]
             if e in SKEW_SIZES:
-                out += [("tile", e, 16 // e, 16 // e, index, False, 0, d) for d in SKEWS]
-    return out
+                out += [("tile", e, 16 // e, 16 // e, index, False, 0, d, False) for d in SKEWS]
+    # each tile kernel again with phase 1 by cp.async (a tile with a flat side may take any)
+    return out + [t[:8] + (True,) for t in out if t[0] == "tile" and t[1] in ASYNC_SIZES]

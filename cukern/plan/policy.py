@@ -253,6 +253,11 @@ class Tuning:
     # 87.1 -> 92.8% of copy, 32768^2 81.7 -> 88.1, int8 32768^2 80.7 -> 89.2, fp32 -1 to +2.4
     # elsewhere in 2-D; 2, 4 and 8 gained less; ResNet NCHW/NHWC shapes within 0.7
     perm_panel_tiles: int = 0
+    # element sizes whose tiles with a flat side (C = 3, 7x7 and 14x14 planes) of at most
+    # perm_async_max_bytes copy phase 1 by cp.async: no registers hold the words (32-48
+    # against 47-64 a thread), so more blocks stay resident; () loads through registers
+    perm_async_copy: tuple[int, ...] = ()
+    perm_async_max_bytes: int = 16384
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it but where a
@@ -273,7 +278,8 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # 29.0 -> 26.5 us, NHWC (64, 64, 112, 112) 66.1 -> 63.8, (8, 64, 16, 56, 56) 39.4 -> 37.3;
 # (64, 1024, 14, 14) and float32 (64, 2048, 7, 7) within 0.1
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
-                    "bn_cols_grad_waves": 1, "perm_panel_tiles": 1}}
+                    "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
+                    "perm_async_copy": (1, 2, 4, 8, 16)}}
 
 
 def tuning_for(device) -> Tuning:
