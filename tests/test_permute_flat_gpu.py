@@ -100,7 +100,7 @@ def test_shapes_both_ways(case, dtype, switch, rng):
     want_flat = switch and takes[{1: 0, 2: 1, 4: 2}[xh.dtype.itemsize]]
     assert (p is not None and p.flat_regs == 3) == want_flat, str(p)
     if not switch and p is not None:
-        assert not p.kernel.endswith(", 3>")
+        assert p.targs[6] == 0
     check(xd, xh, axes)
 
 
@@ -130,8 +130,9 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
         pp.tuning_for(None), perm_flat_regs=_flat_sizes(switch)))
 
     def plan_check(p):
-        assert (p.targs, p.tile, p.pitch, p.flat_regs) == \
-            (ref.targs, ref.tile, ref.pitch, 3 if switch else 0), str(p)
+        # the path of the reference's table (phase 1 may take cp.async here)
+        assert (p.targs[:8], p.tile, p.pitch, p.flat_regs) == \
+            (ref.targs[:8], ref.tile, ref.pitch, 3 if switch else 0), str(p)
 
     check_strided_into_buffer(base_d, base_h, base_d[:, :, :si], base_h[:, :, :si], (0, 2, 1),
                               out_base, plan_check)

@@ -95,7 +95,7 @@ def _plan_agrees(xd, axes, on: bool):
     """The plan the op runs for xd: the gather whenever the switch is off."""
     p = ops.plan_for(xd, axes)
     if not on:
-        assert not p.regs and not p.kernel.endswith(", true>"), str(p)
+        assert not p.regs and not p.targs[5], str(p)
     return p
 
 
@@ -137,7 +137,7 @@ def test_strided_tiles_off_the_words(case, dtype, switch, rng):
     p = ops.plan_for(xd, (0, 2, 1), out=o)
     ref = case_plan(case, dataclasses.replace(
         pp.tuning_for(None), perm_byte_regs=pp.REGS_SIZES if switch else ()))
-    assert (p.targs, p.tile, p.regs) == (ref.targs, ref.tile, switch), str(p)
+    assert (p.targs[:8], p.tile, p.regs) == (ref.targs[:8], ref.tile, switch), str(p)
     r = cukern.permute(xd, (0, 2, 1), out=o)
     assert r.data.ptr == o.data.ptr
     got = raw(host(buf))

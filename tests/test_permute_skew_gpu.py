@@ -126,9 +126,9 @@ def test_strided_runs_off_the_words(case, dtype, switch, rng):
     ref = skew_case_plan(case, dataclasses.replace(
         pp.tuning_for(None), perm_skew_regs=pp.SKEW_SIZES if switch else ()))
 
-    def plan_check(p):
-        assert (p.targs, p.tile, p.pitch, p.skew_regs) == \
-            (ref.targs, ref.tile, ref.pitch, switch), str(p)
+    def plan_check(p):  # the path of the reference's table (phase 1 may take cp.async here)
+        assert (p.targs[:8], p.tile, p.pitch, p.skew_regs) == \
+            (ref.targs[:8], ref.tile, ref.pitch, switch), str(p)
 
     check_strided_into_buffer(base_d, base_h, base_d[:, :, :c], base_h[:, :, :c], (0, 2, 1),
                               out_base, plan_check)
