@@ -166,4 +166,5 @@ def test_64_bit_indices(case, dtype, switch, rng):
     shape, axes = case
     xh, xd = put(rng, shape, dtype)
     p = ops.plan_for(xd, axes)
-    assert check_64_bit(p, xd, xh, axes).kernel.endswith(", 3>") == bool(p.flat_regs)
+    p64 = check_64_bit(p, xd, xh, axes)
+    assert p64.targs[6] == (3 if p.flat_regs else 0) and p64.targs[8] == p.async_copy

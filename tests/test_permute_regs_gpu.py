@@ -171,4 +171,5 @@ def test_64_bit_indices(case, dtype, switch, rng):
     shape, axes = case
     xh, xd = put(rng, shape, dtype)
     p = _plan_agrees(xd, axes, switch)
-    assert check_64_bit(p, xd, xh, axes).kernel.endswith(", true>") == p.regs
+    p64 = check_64_bit(p, xd, xh, axes)
+    assert p64.targs[5] == p.regs and p64.targs[8] == p.async_copy
