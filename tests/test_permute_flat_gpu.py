@@ -100,7 +100,7 @@ def test_shapes_both_ways(case, dtype, switch, rng):
     want_flat = switch and takes[{1: 0, 2: 1, 4: 2}[xh.dtype.itemsize]]
     assert (p is not None and p.flat_regs == 3) == want_flat, str(p)
     if not switch and p is not None:
-        assert p.targs[6] == 0
+        assert p.flat_regs == 0
     check(xd, xh, axes)
 
 
