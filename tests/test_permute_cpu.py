@@ -703,3 +703,22 @@ def test_h200_copies_flat_tiles_by_cp_async():
         assert p.async_copy == ((p.flat_in or p.flat_out) and p.smem <= t.perm_async_max_bytes)
         assert p.targs == q.targs[:8] + (want,) and p.kernel == fam._name(p.targs)
         assert ("cp.async" in str(p)) == want
+
+
+@pytest.mark.parametrize("shape,itemsize,flat200", [
+    ((256, 1024, 14, 14), 4, True),   # rows of 196 = 4 (mod 8) float32: held whole
+    ((8, 64, 10, 10), 4, True),       # 100
+    ((64, 512, 28, 28), 4, False),    # 784 float32: 3136 bytes, past perm_flat_max_bytes
+    ((64, 256, 16, 16), 4, False),    # 256 = 0 (mod 8): whole row tiles
+    ((64, 512, 28, 28), 2, False),    # 16-bit rows of 784: row tiles (pitch 0 mod 8 held whole)
+    ((64, 1024, 14, 14), 8, False),   # float64: not in the H200's perm_flat_rows4
+])
+def test_h200_holds_float32_rows_of_4_mod_8_whole(shape, itemsize, flat200):
+    h200 = DeviceSpec.h200()
+    assert pp.tuning_for(h200).perm_flat_rows4 == (4,) and HOPPER.perm_flat_rows4 == ()
+    p, q = plan(shape, NHWC, itemsize, h200), plan(shape, NHWC, itemsize)
+    assert not q.flat_in and p.flat_in == flat200, str(p)
+    if flat200:
+        hw = shape[2] * shape[3]
+        assert p.tile[0] == p.pitch == hw and p.async_copy and p.vec_in == 4
+

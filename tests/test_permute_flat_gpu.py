@@ -45,6 +45,13 @@ NHWC, NCHW = (0, 2, 3, 1), (0, 3, 1, 2)
 DTYPES = ["int8", "uint8", "bool", "float16", "bfloat16", "int16", "float32", "int32"]
 
 
+def device_tuning():
+    """The planner's table for the current GPU (the one the op plans with)."""
+    from cukern import runner
+
+    return pp.tuning_for(runner.device_spec(cp.cuda.Device().id))
+
+
 def _flat_sizes(on: bool) -> tuple[int, ...]:
     return pp.FLAT_SIZES if on else ()
 
@@ -127,7 +134,7 @@ def test_strided_runs_off_the_words(case, dtype, switch, monkeypatch, rng):
     plan_with(monkeypatch, perm_flat_regs=_flat_sizes(switch), perm_tile_min_bytes=16)
     base_h, base_d = put(rng, (b, 3, o_in), dtype)
     ref = flat_case_plan(case, dataclasses.replace(
-        pp.tuning_for(None), perm_flat_regs=_flat_sizes(switch)))
+        device_tuning(), perm_flat_regs=_flat_sizes(switch)))
 
     def plan_check(p):
         # the path of the reference's table (phase 1 may take cp.async here)

@@ -136,13 +136,15 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     Default extents come from the tuning's perm_tiles (16 KB, rows of >= 128 bytes). A side is
     flat, its dim held whole, where its rows join into one run (input: o's input stride is si;
     output: i's output stride is so), the dim has at most perm_flat_max_bytes, and its rows
-    allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd) or are under 32 bytes
-    (C = 3); otherwise rows, whose phase-2 gathers meet fewer bank conflicts; an output run the
-    skewed columns take (:func:`skew_run`), or of an element size in perm_flat_split, is flat
-    too where its rows are not whole 32-byte sectors. Both sides flat only where the whole (i,
-    o) plane fits perm_tile_max_bytes. Beside a flat side the other extent fills
-    perm_tile_bytes (at least 16 bytes, 32 or 64 beside a skewed-column run, at most its dim
-    and perm_tile_max_extent); a short row side leaves the other grown up to perm_tile_bytes.
+    allow narrower vectors than the run (HW = 49, 196: o_in = 49 is odd), are under 32 bytes
+    (C = 3) or are 4 (mod 8) elements of a size in perm_flat_rows4 (float32 HW = 196, whose row
+    tiles leave a tile of 4); otherwise rows, whose phase-2 gathers meet fewer bank conflicts;
+    an output run the skewed columns take (:func:`skew_run`), or of an element size in
+    perm_flat_split, is flat too where its rows are not whole 32-byte sectors. Both sides flat
+    only where the whole (i, o) plane fits perm_tile_max_bytes. Beside a flat side the other
+    extent fills perm_tile_bytes (at least 16 bytes, 32 or 64 beside a skewed-column run, at
+    most its dim and perm_tile_max_extent); a short row side leaves the other grown up to
+    perm_tile_bytes.
     Vectors: the widest the pointer, offsets and strides allow, at most the tile's row. Pitch:
     4 (mod 8) elements, ti + 4 (phase 2's lane groups read distinct banks), si for a flat
     input. Group: o-words of 32 bytes together."""
@@ -156,7 +158,9 @@ def tile_shape(i: Dim, o: Dim, batch, elem: int, tuning: Tuning, in_align: int =
     vo_flat = vector_width(elem, out_align, out_base, bout)
     cap = tuning.perm_tile_max_bytes
     short = tuning.perm_flat_max_bytes
-    fin = (o.in_stride == si and si * elem <= short and (vi_row < vi_flat or si * elem < 32))
+    fin = (o.in_stride == si and si * elem <= short
+           and (vi_row < vi_flat or si * elem < 32
+                or (elem in tuning.perm_flat_rows4 and si % 8 == 4)))
     # a long flat output run only where rows would store words under 8 bytes (2-byte and
     # wider elements): its phase 2 gathers element by element; or where rows would split
     # 32-byte sectors between tiles and the skewed columns (perm_skew_regs) or the gather
@@ -335,7 +339,8 @@ _SIZE_SWITCHES = (("perm_byte_regs", REGS_SIZES, "the register transpose"),
                   ("perm_flat_regs", FLAT_SIZES, "the flat-run interleave"),
                   ("perm_flat_split", WORDS, "a flat split output run"),
                   ("perm_skew_regs", SKEW_SIZES, "the skewed-column phase 2"),
-                  ("perm_async_copy", ASYNC_SIZES, "the cp.async phase 1"))
+                  ("perm_async_copy", ASYNC_SIZES, "the cp.async phase 1"),
+                  ("perm_flat_rows4", WORDS, "a flat input run of rows 4 (mod 8)"))
 
 
 def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = None, *,

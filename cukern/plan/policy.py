@@ -261,6 +261,12 @@ class Tuning:
     # with it (int8 (256, 64, 112, 112) 95.6 -> 88.3), int8 (256, 28, 28, 512)'s 28 KB tiles 7.8
     perm_async_copy: tuple[int, ...] = ()
     perm_async_max_bytes: int = 16384
+    # element sizes whose input rows of 4 (mod 8) elements (at most perm_flat_max_bytes) are
+    # held whole as a flat run even where the rows take the run's vectors: float32 HW = 196 in
+    # 64-wide row tiles leaves a tile of 4 (3 x 64 + 4). H200, fp32 NCHW->NHWC (256, 1024, 14,
+    # 14) 78.0 -> 90.7% of copy, (64, ...) 75.7 -> 88.0 (with perm_async_copy; 88.0 and 85.1
+    # without); 16-bit and int8 rows of 784 held whole (pitch 0 mod 8) fell to 28-43%
+    perm_flat_rows4: tuple[int, ...] = ()
 
 
 # Measured on the H100 (sm_90); every number in the comments above is from it but where a
@@ -282,7 +288,7 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # (64, 1024, 14, 14) and float32 (64, 2048, 7, 7) within 0.1
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
-                    "perm_async_copy": (1, 2, 4, 8, 16)}}
+                    "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,)}}
 
 
 def tuning_for(device) -> Tuning:
