@@ -1,4 +1,4 @@
-// perm::store_skew (kernels/permute.cuh) compiled as host code and run by one emulated thread
+// perm::store_skew (kernels/permute_parts.cuh, through permute.cuh) compiled as host code and run by one emulated thread
 // (blockDim 1: it walks every item) over tiles of every extent, run length and lane grouping,
 // against the transpose it must write and nothing beside it; tests/test_permute_skew_cpu.py
 // builds it with -DPERMUTE_CUH=<the header> and runs it. The CUDA builtins the header uses are

@@ -32,7 +32,7 @@ WORD_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
 _INDEX = {32: "int", 64: "long long"}
 _D = pp.MAX_DIMS
 
-# perm::Batch, PermuteRowsArgs, PermuteTileArgs (kernels/permute.cuh), field for field
+# perm::Batch, PermuteRowsArgs, PermuteTileArgs (kernels/permute_parts.cuh), field for field
 BATCH = np.dtype([("size", np.int64, (_D,)), ("in", np.int64, (_D,)),
                   ("out", np.int64, (_D,)), ("m", np.uint32, (_D,)), ("s", np.uint32, (_D,)),
                   ("n", np.int32), ("pad_", np.int32)], align=True)

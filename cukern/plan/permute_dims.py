@@ -13,7 +13,7 @@ import numpy as np
 __all__ = ["Dim", "Simplified", "MAX_DIMS", "WORDS", "check_dtype", "normalize_axes",
            "c_strides", "output_dims", "simplify", "merge", "fold_inner", "vector_width"]
 
-MAX_DIMS = 8  # kernels/permute.cuh: perm::kMaxDims; the API's rank limit
+MAX_DIMS = 8  # kernels/permute_parts.cuh: perm::kMaxDims; the API's rank limit
 WORDS = (1, 2, 4, 8, 16)  # bytes a kernel word or element moves
 
 

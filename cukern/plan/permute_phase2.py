@@ -1,5 +1,5 @@
 """The tile kernel's phase 2 variants (``kernels/permute.cuh``: ``permute_tile<..., REGS, FO,
-SK>``): where each takes a planned tile (:class:`cukern.plan.permute.TileShape`), by the
+SK>``): where each takes a planned tile (:class:`cukern.plan.permute_tiles.TileShape`), by the
 tuning's switches (perm_byte_regs, perm_flat_regs, perm_skew_regs). Pure functions; the
 planner (:mod:`cukern.plan.permute`) calls them and re-exports them."""
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from .permute_dims import Dim
 from .policy import Tuning
 
-if TYPE_CHECKING:  # the planner's tile shape (cukern.plan.permute imports this module)
-    from .permute import TileShape
+if TYPE_CHECKING:  # the planner's tile shape (cukern.plan.permute_tiles imports this module)
+    from .permute_tiles import TileShape
 
 __all__ = ["REGS_SIZES", "FLAT_SIZES", "FLAT_RUN", "SKEW_SIZES", "SKEWS", "byte_regs",
            "flat_regs", "skew_run", "skew_regs", "describe"]

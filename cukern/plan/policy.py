@@ -182,7 +182,7 @@ class Tuning:
     bn_block_merge_sm_fraction: int = 4
     # permute (cukern/plan/permute.py); H100 sweeps one change at a time (% of copy), the
     # rest first choices (docs/notes/permute.md)
-    # threads a block of either permute kernel (at most kernels/permute.cuh: perm::kThreads):
+    # threads a block of either permute kernel (at most kernels/permute_parts.cuh: perm::kThreads):
     # 128 lost 3-13 points on fp16 tiles, gained 6 on int8 (4096, 4096): 256
     perm_threads: int = 256
     # tile kernel: (element bytes, ti, to) default tile extents, 8-16 KB, rows of at least
