@@ -466,7 +466,9 @@ def test_h200_plans_tiles_along_o_first():
     assert p200.panel == 1 and p100.panel == 0
     assert dataclasses.replace(p200, panel=0, device="", notes=()) == \
         dataclasses.replace(p100, device="", notes=())
-    assert "panels of 1 tiles along i" in str(p200)
+    assert "tiles along o first" in str(p200) and "order" not in str(p100)
+    p4 = plan((16384, 16384), (1, 0), 2, tuning=dataclasses.replace(HOPPER, perm_panel_tiles=4))
+    assert p4.panel == 4 and "panels of 4 tiles along i" in str(p4)
 
 
 def test_kernel_args_of_a_tile_plan():

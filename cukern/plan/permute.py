@@ -192,7 +192,9 @@ class PermutePlan:
                 lines.append("  phase 1            cp.async: no registers hold the words in flight"
                              + ("; two buffers, a block's next tile copied while this one is "
                                 "stored" if self.grid < self.tiles else ""))
-            if self.panel:
+            if self.panel == 1:
+                lines.append("  order              tiles along o first, then the next tile along i")
+            elif self.panel:
                 lines.append(f"  order              panels of {self.panel} tiles along i: "
                              f"i, then o, then the next panel")
             lines.append(f"  vectors            loads {self.vec_in} x {self.elem} B along "
