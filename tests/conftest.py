@@ -127,12 +127,14 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     documented in ``cukern.plan.col_sums.ways``, or None where no way fits (the uncached
     kernel). ``occ(plan)``: resident blocks per SM (default: the device model's).
 
-    First, layer norm over 16-bit rows of more than 2048 columns (devices with clusters): in
-    16-byte packs, the first of one block, clusters of 2, 4, 8, 16 (at least 128 packs a
-    block in a cluster) whose slice, held by 128 threads with two buffers, gamma and shared
-    sums, fits three times in an SM's shared memory and keeps three blocks per SM; in 8-byte
-    packs, the first cluster whose slice the narrowest block (128..1024 threads) holds with
-    register sums, two buffers and gamma, resident.
+    First, over 16-bit rows (devices with clusters), the device table's norm_bwd_narrow rule
+    for the op, past its columns, in 16-byte packs: "s2g" (the H100's for layer norm past
+    2048), the first of one block, clusters of 2, 4, 8, 16 (at least 128 packs a block in a
+    cluster) whose slice, held by 128 threads with two buffers, gamma and shared sums, fits
+    three times in an SM's shared memory and keeps three blocks per SM; "r2g", the first of
+    one block, clusters of 2..16 whose slice the narrowest block (128..1024 threads) holds with
+    register sums, two buffers and gamma, resident. Layer norm in 8-byte packs past 2048
+    columns: that "r2g" from clusters of 2.
 
     Ways: one block a row (size 1) or clusters from the smallest size any way fits up to four
     times it (each block with at least 128 packs); 128..1024 threads (each with a pack, but
@@ -153,6 +155,7 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
 
     from cukern import plan as planner
     from cukern import registry
+    from cukern.plan.policy import tuning_for
 
     info = registry.policy(op)
     item = planner.ITEMSIZE[dtype]
@@ -178,22 +181,24 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
             cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
 
     sizes = [1] + (list(planner.CLUSTER_SIZES) if device.has_clusters else [])
-    if op == "layer_norm_backward" and item == 2 and cols > 2048 and pack * item == 8 and \
-            device.has_clusters:  # clusters with sums in registers, two buffers and gamma
-        for size in sizes[1:]:
+    rule = {o: (way, past) for o, way, past in tuning_for(device).norm_bwd_narrow}.get(op)
+    r2g16 = rule is not None and rule[0] == "r2g" and cols > rule[1] and pack * item == 16
+    if item == 2 and device.has_clusters and (r2g16 or (
+            op == "layer_norm_backward" and cols > 2048 and pack * item == 8)):
+        for size in sizes if r2g16 else sizes[1:]:  # sums in registers, two buffers, gamma
             sp = -(-packs // size)
             threads = 128
             while threads < 1024 and threads * apt < sp:
                 threads *= 2
             if threads * apt < sp:
                 continue
-            if sp < 128:
+            if size > 1 and sp < 128:
                 break
             smem = 2 * 2 * item * sp * pack + 4 * sp * pack + align
             if blocks_per_sm(size, threads, smem, True, True) > 0:
                 return size, threads, smem, True, True
-    if op == "layer_norm_backward" and item == 2 and cols > 2048 and pack * item == 16 and \
-            device.has_clusters:  # the narrow way: 128 threads, S2g, three blocks an SM
+    if rule is not None and rule[0] == "s2g" and cols > rule[1] and item == 2 and \
+            pack * item == 16 and device.has_clusters:  # 128 threads, S2g, three an SM
         for size in sizes:
             sp = -(-packs // size)
             if size > 1 and sp < 128:

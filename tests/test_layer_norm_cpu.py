@@ -308,16 +308,17 @@ def test_layer_norm_float32_keeps_three_blocks_of_512():
     assert registry.policy("rms_norm").oneflow_width_dtypes == ()
 
 
+@pytest.mark.parametrize("device", [H100, H200], ids=["h100", "h200"])
 @pytest.mark.parametrize("op", BWD)
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-def test_col_sums_shared_memory(op, dtype):
+def test_col_sums_shared_memory(op, dtype, device):
     pack = 16 // ITEM[dtype]
-    for cols in (2048, 3000, 4096, 8192, 10000, 12288, 13000, 16384, 18000, 20000, 24000, 32768,
-                 65536, 131072, 262144):
+    for cols in (1024, 2048, 3000, 4096, 8192, 10000, 12288, 13000, 16384, 18000, 20000, 24000,
+                 32768, 65536, 131072, 262144):
         cols = cols // pack * pack
         for occ in (None, lambda plan: 1, lambda plan: 2):
-            p = plan_rowwise(op, 1000, cols, dtype, H100, occ, switches=WEIGHT)
-            expected = col_sums_expected(op, dtype, cols, H100, occ)
+            p = plan_rowwise(op, 1000, cols, dtype, device, occ, switches=WEIGHT)
+            expected = col_sums_expected(op, dtype, cols, device, occ)
             if expected is None:
                 assert p.variant is Variant.BLOCK_UNCACHED, (cols, p)
                 continue
@@ -327,8 +328,8 @@ def test_col_sums_shared_memory(op, dtype):
                     p.gamma_in_smem) == expected, (cols, p)
             assert p.name_expression().endswith(f", true, {str(in_regs).lower()}, "
                                                 f"{str(gamma).lower()}>")
-            per_sm = occ(p) if occ else H100.model_occupancy(threads, smem)
-            assert p.grid == min(1000 * size, 132 * per_sm // size * size)
+            per_sm = occ(p) if occ else device.model_occupancy(threads, smem)
+            assert p.grid == min(1000 * size, device.sms * per_sm // size * size)
     rms = op == "rms_norm_backward"
     sums = policy(op).col_sums * 4  # bytes per column
 
@@ -459,6 +460,51 @@ def test_layer_norm_narrow_way(dtype):
         assert not (p.threads == 128 and (p.cluster > 1 or cols == 3000)), (cols, other, p)
         assert not (p.cluster > 1 and p.sums_in_registers and p.gamma_in_smem), (cols, p)
         assert p == planner.col_sums_ways(p, device, occ)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_h200_narrow_ways(dtype):
+    """The H200's table (Tuning.norm_bwd_narrow): 16-bit rows in 16-byte packs take layer
+    norm's R2g from 2048 columns (one block, then clusters: the narrowest block holding its
+    slice with the sums in registers) and RMS norm's narrow S2g past 2048 (128 threads,
+    everything on chip, three blocks an SM); the H100 keeps layer norm's S2g and no RMS rule;
+    float32 and 8-byte packs plan alike on both."""
+    assert planner.tuning_for(H200).norm_bwd_narrow == (("layer_norm_backward", "r2g", 1024),
+                                                        ("rms_norm_backward", "s2g", 2048))
+    assert planner.tuning_for(H100).norm_bwd_narrow == (("layer_norm_backward", "s2g", 2048),)
+    occ = lambda plan: 1  # noqa: E731 (any resident count: the rules' shapes do not depend on it)
+    lay, rms = "layer_norm_backward", "rms_norm_backward"
+    for cols, size, threads in ((2048, 1, 128), (4096, 1, 256), (8192, 1, 512), (16384, 1, 1024),
+                                (32768, 2, 1024), (65536, 4, 1024)):
+        p = plan_rowwise(lay, 10**4, cols, dtype, H200, occ, switches=WEIGHT)
+        values = cols // size
+        assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
+            Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER, size, threads, True, True), (
+            cols, p)
+        assert p.smem_bytes == 2 * 2 * 2 * values + 4 * values + 128
+        assert p == planner.col_sums_ways(p, H200, occ)[0]
+        q = plan_rowwise(lay, 10**4, cols, dtype, H100, occ, switches=WEIGHT)
+        assert not q.sums_in_registers or cols == 2048, (cols, q)
+    for cols, size in ((4096, 1), (8192, 2), (16384, 4), (32768, 8), (65536, 16)):
+        p = plan_rowwise(rms, 10**4, cols, dtype, H200, switches=WEIGHT)
+        values = cols // size
+        assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
+            Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER, size, 128, False, True), (
+            cols, p)
+        assert p.smem_bytes == 2 * 2 * 2 * values + 4 * values + 4 * values + 128
+        assert H200.model_occupancy(128, p.smem_bytes) >= 3
+        q = plan_rowwise(rms, 10**4, cols, dtype, H100, switches=WEIGHT)
+        assert q.threads > 128, (cols, q)
+    # the general order on both: RMS norm at 2048 columns and with a driver keeping fewer than
+    # three blocks an SM, 8-byte packs, float32, layer norm at 1024 columns
+    for op, cols, dt, o in ((rms, 2048, dtype, None), (rms, 8192, dtype, lambda plan: 2),
+                            (lay, 8196, dtype, None), (lay, 8192, "float32", None),
+                            (rms, 8192, "float32", None), (lay, 1024, dtype, None)):
+        p200 = plan_rowwise(op, 10**4, cols, dt, H200, o, switches=WEIGHT)
+        p100 = plan_rowwise(op, 10**4, cols, dt, H100, o, switches=WEIGHT)
+        assert (p200.variant, p200.cluster, p200.threads, p200.smem_bytes,
+                p200.sums_in_registers) == (p100.variant, p100.cluster, p100.threads,
+                                            p100.smem_bytes, p100.sums_in_registers), (op, cols)
 
 
 @pytest.mark.parametrize("op", BWD)
@@ -714,7 +760,7 @@ def test_reachable_covers_planner_output():
         # sizes shared memory: try the first and the last of each op's list
         switch_sets = {policy(op).switch_sets[0], policy(op).switch_sets[-1]}
         for dt in ITEM:
-            for device in (H100, A100):
+            for device in (H100, H200, A100):  # the H200: the H100's set, its own rules
                 reach = planner.reachable_plans(op, dt, device)
                 for sw in switch_sets:
                     for cols in (short if device is H100 else []) + long:

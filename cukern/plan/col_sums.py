@@ -87,8 +87,9 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     2. else the "S2g" clusters (x and dy twice, gamma and the sums in shared memory) of the
        smallest size that has one and twice that, by ``_cluster_key``;
     3. else the block kernel's best, or with no block way, ``_cluster_fallback``.
-    Before them, layer norm over 16-bit rows past 2048 columns: ``_narrow_s2g`` (16-byte
-    packs) or ``_pair_r2g`` (8-byte packs) where one fits.
+    Before them, over 16-bit rows in 16-byte packs, the op's way in ``Tuning.norm_bwd_narrow``
+    (the H100: layer norm's ``_narrow_s2g`` past 2048 columns), and layer norm's ``_pair_r2g``
+    in 8-byte packs past 2048 columns, where one fits.
     """
     tune = tuning_for(device)
     pol, dtype, cols, pack = base["policy"], base["dtype"], base["cols"], base["pack_size"]
@@ -99,10 +100,13 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     limit = max_dynamic_smem(device)
     clusters_ok = device.has_clusters and not strided
     narrow = None
-    if sums == 2 and item == 2 and cols > 2048 and clusters_ok:
-        if pack * item == 16:
-            narrow = _narrow_s2g(base, no_warp, packs, device, occ)
-        elif pack * item == 8:
+    if sums and item == 2 and clusters_ok:
+        rule = next(((way, past) for op, way, past in tune.norm_bwd_narrow
+                     if op == base["op"]), None)
+        if pack * item == 16 and rule is not None and cols > rule[1]:
+            narrow = (_narrow_s2g(base, no_warp, packs, device, occ) if rule[0] == "s2g" else
+                      _pair_r2g(base, no_warp, packs, occ, limit, (1,) + tune.cluster_sizes))
+        elif pack * item == 8 and sums == 2 and cols > 2048:
             narrow = _pair_r2g(base, no_warp, packs, occ, limit, tune.cluster_sizes)
         if narrow is not None and first_only:
             return [narrow[:3]]
@@ -168,9 +172,10 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
 
 def _narrow_s2g(base: dict, no_warp: dict, packs: int, device: DeviceSpec,
                 occ: Occupancy) -> Way | None:
-    """Layer norm, 16-bit rows past 2048 columns in 16-byte packs: the block kernel, then
-    clusters of 2..16, the first whose slice (at least 128 packs a block in a cluster), held
-    by 128 threads as S2g, keeps three or more blocks resident an SM."""
+    """16-bit rows in 16-byte packs, for the ops that name "s2g" in Tuning.norm_bwd_narrow (the
+    H100: layer norm past 2048 columns): the block kernel, then clusters of 2..16, the first
+    whose slice (at least 128 packs a block in a cluster), held by 128 threads as S2g, keeps
+    three or more blocks resident an SM."""
     pol, pack = base["policy"], base["pack_size"]
     item = ITEMSIZE[base["dtype"]]
     for size in (1,) + tuning_for(device).cluster_sizes:
@@ -192,9 +197,10 @@ def _narrow_s2g(base: dict, no_warp: dict, packs: int, device: DeviceSpec,
 
 def _pair_r2g(base: dict, no_warp: dict, packs: int, occ: Occupancy, limit: int,
               sizes: tuple[int, ...]) -> Way | None:
-    """Layer norm, 16-bit rows past 2048 columns in 8-byte packs: the smallest cluster whose
-    slice the narrowest block holds with the sums in registers, x and dy twice and gamma in
-    shared memory ("R2g")."""
+    """Layer norm, 16-bit rows past 2048 columns in 8-byte packs (and the ops that name "r2g"
+    in Tuning.norm_bwd_narrow, from one block): the smallest of ``sizes`` (1: one block a row)
+    whose slice the narrowest block holds with the sums in registers, x and dy twice and gamma
+    in shared memory ("R2g")."""
     pol, pack = base["policy"], base["pack_size"]
     item = ITEMSIZE[base["dtype"]]
     apt = reg_sum_packs(base["dtype"], pack)
@@ -203,13 +209,14 @@ def _pair_r2g(base: dict, no_warp: dict, packs: int, occ: Occupancy, limit: int,
         threads = max(128, _pow2_at_least(-(-slice_packs // apt)))
         if threads > 1024:
             continue
-        if slice_packs < 128:
+        if size > 1 and slice_packs < 128:
             return None
         values = slice_packs * pack
         smem = 2 * item * pol.inputs * values + 4 * values + pol.smem_align
         if smem > limit:
             continue
-        plan = Plan(variant=Variant.CLUSTER, block=(threads, 1), grid=size, smem_bytes=smem,
+        variant = Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER
+        plan = Plan(variant=variant, block=(threads, 1), grid=size, smem_bytes=smem,
                     cluster=size, sums_in_registers=True, gamma_in_smem=True, **no_warp, **base)
         per_sm = occ(plan)
         if per_sm > 0:
