@@ -127,9 +127,9 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     documented in ``cukern.plan.col_sums.ways``, or None where no way fits (the uncached
     kernel). ``occ(plan)``: resident blocks per SM (default: the device model's).
 
-    First, over 16-bit rows (devices with clusters), the device table's norm_bwd_narrow rule
-    for the op, past its columns, in 16-byte packs: "s2g" (the H100's for layer norm past
-    2048), the first of one block, clusters of 2, 4, 8, 16 (at least 128 packs a block in a
+    First, over 16-bit rows (devices with clusters), the first of the device table's
+    norm_bwd_narrow ways for the op that fits, past its columns, in 16-byte packs: "s2g" (the
+    H100's for layer norm past 2048), the first of one block, clusters of 2, 4, 8, 16 (at least 128 packs a block in a
     cluster) whose slice, held by 128 threads with two buffers, gamma and shared sums, fits
     three times in an SM's shared memory and keeps three blocks per SM; "r2g", the first of
     one block, clusters of 2..16 whose slice the narrowest block (128..1024 threads) holds with
@@ -181,11 +181,8 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
             cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
 
     sizes = [1] + (list(planner.CLUSTER_SIZES) if device.has_clusters else [])
-    rule = {o: (way, past) for o, way, past in tuning_for(device).norm_bwd_narrow}.get(op)
-    r2g16 = rule is not None and rule[0] == "r2g" and cols > rule[1] and pack * item == 16
-    if item == 2 and device.has_clusters and (r2g16 or (
-            op == "layer_norm_backward" and cols > 2048 and pack * item == 8)):
-        for size in sizes if r2g16 else sizes[1:]:  # sums in registers, two buffers, gamma
+    def r2g(from_sizes):  # sums in registers, two buffers, gamma
+        for size in from_sizes:
             sp = -(-packs // size)
             threads = 128
             while threads < 1024 and threads * apt < sp:
@@ -193,20 +190,34 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
             if threads * apt < sp:
                 continue
             if size > 1 and sp < 128:
-                break
+                return None
             smem = 2 * 2 * item * sp * pack + 4 * sp * pack + align
             if blocks_per_sm(size, threads, smem, True, True) > 0:
                 return size, threads, smem, True, True
-    if rule is not None and rule[0] == "s2g" and cols > rule[1] and item == 2 and \
-            pack * item == 16 and device.has_clusters:  # 128 threads, S2g, three an SM
+        return None
+
+    def s2g():  # 128 threads, everything on chip, three blocks an SM
         for size in sizes:
             sp = -(-packs // size)
             if size > 1 and sp < 128:
-                break
+                return None
             smem = 2 * 2 * item * sp * pack + sums_per_value * sp * pack + 4 * sp * pack + align
             if 3 * smem <= device.smem_per_sm and \
                     blocks_per_sm(size, 128, smem, False, True) >= 3:
                 return size, 128, smem, False, True
+        return None
+
+    rule = {o: (named, past) for o, named, past in tuning_for(device).norm_bwd_narrow}.get(op)
+    if item == 2 and device.has_clusters and info.col_sums:
+        if rule is not None and cols > rule[1] and pack * item == 16:
+            for way in rule[0]:
+                found = s2g() if way == "s2g" else r2g(sizes)
+                if found is not None:
+                    return found
+        elif op == "layer_norm_backward" and cols > 2048 and pack * item == 8:
+            found = r2g(sizes[1:])
+            if found is not None:
+                return found
 
     ways, first = [], None  # (size, threads, smem, in_regs, gamma, two, per_sm, slice packs)
     for size in sizes:

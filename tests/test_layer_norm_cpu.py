@@ -467,11 +467,11 @@ def test_h200_narrow_ways(dtype):
     """The H200's table (Tuning.norm_bwd_narrow): 16-bit rows in 16-byte packs take layer
     norm's R2g from 2048 columns (one block, then clusters: the narrowest block holding its
     slice with the sums in registers) and RMS norm's narrow S2g past 2048 (128 threads,
-    everything on chip, three blocks an SM); the H100 keeps layer norm's S2g and no RMS rule;
-    float32 and 8-byte packs plan alike on both."""
-    assert planner.tuning_for(H200).norm_bwd_narrow == (("layer_norm_backward", "r2g", 1024),
-                                                        ("rms_norm_backward", "s2g", 2048))
-    assert planner.tuning_for(H100).norm_bwd_narrow == (("layer_norm_backward", "s2g", 2048),)
+    everything on chip, three blocks an SM), else its R2g; the H100 keeps layer norm's S2g and
+    no RMS rule; float32 and 8-byte packs plan alike on both."""
+    assert planner.tuning_for(H200).norm_bwd_narrow == (
+        ("layer_norm_backward", ("r2g",), 1024), ("rms_norm_backward", ("s2g", "r2g"), 2048))
+    assert planner.tuning_for(H100).norm_bwd_narrow == (("layer_norm_backward", ("s2g",), 2048),)
     occ = lambda plan: 1  # noqa: E731 (any resident count: the rules' shapes do not depend on it)
     lay, rms = "layer_norm_backward", "rms_norm_backward"
     for cols, size, threads in ((2048, 1, 128), (4096, 1, 256), (8192, 1, 512), (16384, 1, 1024),
@@ -495,9 +495,22 @@ def test_h200_narrow_ways(dtype):
         assert H200.model_occupancy(128, p.smem_bytes) >= 3
         q = plan_rowwise(rms, 10**4, cols, dtype, H100, switches=WEIGHT)
         assert q.threads > 128, (cols, q)
-    # the general order on both: RMS norm at 2048 columns and with a driver keeping fewer than
-    # three blocks an SM, 8-byte packs, float32, layer norm at 1024 columns
-    for op, cols, dt, o in ((rms, 2048, dtype, None), (rms, 8192, dtype, lambda plan: 2),
+    # RMS norm rows no S2g way holds three times an SM: R2g, the smallest cluster whose slice
+    # 1024 threads hold (two packs a thread)
+    for cols, size in ((131072, 8), (262144, 16)):
+        p = plan_rowwise(rms, 10**3, cols, dtype, H200, occ, switches=WEIGHT)
+        values = cols // size
+        assert (p.variant, p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (
+            Variant.CLUSTER, size, 1024, True, True), (cols, p)
+        assert p.smem_bytes == 2 * 2 * 2 * values + 4 * values + 128
+        q = plan_rowwise(rms, 10**3, cols, dtype, H100, occ, switches=WEIGHT)
+        assert not q.sums_in_registers or not q.gamma_in_smem, (cols, q)
+    # ... and where a driver keeps fewer than three S2g blocks an SM: 8192 columns, one block
+    p = plan_rowwise(rms, 10**4, 8192, dtype, H200, lambda plan: 2, switches=WEIGHT)
+    assert (p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (1, 512, True, True)
+    # the general order on both: RMS norm at 2048 columns, 8-byte packs, float32, layer norm at
+    # 1024 columns
+    for op, cols, dt, o in ((rms, 2048, dtype, None),
                             (lay, 8196, dtype, None), (lay, 8192, "float32", None),
                             (rms, 8192, "float32", None), (lay, 1024, dtype, None)):
         p200 = plan_rowwise(op, 10**4, cols, dt, H200, o, switches=WEIGHT)

@@ -87,9 +87,9 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     2. else the "S2g" clusters (x and dy twice, gamma and the sums in shared memory) of the
        smallest size that has one and twice that, by ``_cluster_key``;
     3. else the block kernel's best, or with no block way, ``_cluster_fallback``.
-    Before them, over 16-bit rows in 16-byte packs, the op's way in ``Tuning.norm_bwd_narrow``
-    (the H100: layer norm's ``_narrow_s2g`` past 2048 columns), and layer norm's ``_pair_r2g``
-    in 8-byte packs past 2048 columns, where one fits.
+    Before them, over 16-bit rows in 16-byte packs, the first of the op's ways in
+    ``Tuning.norm_bwd_narrow`` that fits (the H100: layer norm's ``_narrow_s2g`` past 2048
+    columns), and layer norm's ``_pair_r2g`` in 8-byte packs past 2048, where one fits.
     """
     tune = tuning_for(device)
     pol, dtype, cols, pack = base["policy"], base["dtype"], base["cols"], base["pack_size"]
@@ -101,11 +101,14 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     clusters_ok = device.has_clusters and not strided
     narrow = None
     if sums and item == 2 and clusters_ok:
-        rule = next(((way, past) for op, way, past in tune.norm_bwd_narrow
+        rule = next(((named, past) for op, named, past in tune.norm_bwd_narrow
                      if op == base["op"]), None)
         if pack * item == 16 and rule is not None and cols > rule[1]:
-            narrow = (_narrow_s2g(base, no_warp, packs, device, occ) if rule[0] == "s2g" else
-                      _pair_r2g(base, no_warp, packs, occ, limit, (1,) + tune.cluster_sizes))
+            for way in rule[0]:
+                narrow = (_narrow_s2g(base, no_warp, packs, device, occ) if way == "s2g" else
+                          _pair_r2g(base, no_warp, packs, occ, limit, (1,) + tune.cluster_sizes))
+                if narrow is not None:
+                    break
         elif pack * item == 8 and sums == 2 and cols > 2048:
             narrow = _pair_r2g(base, no_warp, packs, occ, limit, tune.cluster_sizes)
         if narrow is not None and first_only:

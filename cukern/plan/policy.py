@@ -65,12 +65,13 @@ class Tuning:
     # shared memory kept back from the opt-in limit for the kernels' static shared memory
     static_smem: int = 2048
     # norm backward over 16-bit rows in 16-byte packs wider than the given columns, with a
-    # weight: (op, way, columns) where a way is taken before the general order (plan.col_sums):
-    # "s2g" (_narrow_s2g: 128 threads, everything on chip, three blocks an SM) or "r2g"
-    # (_pair_r2g from one block: the narrowest block holding its slice with register sums).
-    # H100: layer norm's narrow S2g (float16 8192 columns 95.0% of copy against 87.4 for one
-    # block of 1024 threads). The H200's in its table below
-    norm_bwd_narrow: tuple[tuple[str, str, int], ...] = (("layer_norm_backward", "s2g", 2048),)
+    # weight: (op, ways, columns), the first of the ways that fits taken before the general
+    # order (plan.col_sums): "s2g" (_narrow_s2g: 128 threads, everything on chip, three blocks
+    # an SM) or "r2g" (_pair_r2g from one block: the narrowest block holding its slice with
+    # register sums). H100: layer norm's narrow S2g (float16 8192 columns 95.0% of copy against
+    # 87.4 for one block of 1024 threads). The H200's in its table below
+    norm_bwd_narrow: tuple[tuple[str, tuple[str, ...], int], ...] = (
+        ("layer_norm_backward", ("s2g",), 2048),)
     # column-sum partial rows straight from x and dy (uncached backward): block width and waves
     partial_threads: int = 256
     partial_waves: int = 2
@@ -296,12 +297,13 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # norm_bwd_narrow (every way forced, norm_backward_ways_h200.json): float16 layer norm R2g from
 # 2048 columns, against the H100's rules 71.7 -> 82.5% of copy (2048), 77.1 -> 80.3 (4096),
 # 72.2 -> 77.6 (8192), 70.1 -> 72.2 (16384), 63.8 -> 71.1 (32768); RMS norm narrow S2g past 2048,
-# 89.5 -> 99.0 (4096), 87.2 -> 94.7 (8192), 82.0 -> 91.9 (16384), 75.9 -> 86.2 (32768)
+# 89.5 -> 99.0 (4096), 87.2 -> 94.7 (8192), 82.0 -> 91.9 (16384), 75.9 -> 86.2 (32768), and R2g
+# where no S2g way fits: 69.4 -> 80.2 (131072), 60.8 -> 78.2 (262144)
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
-                    "norm_bwd_narrow": (("layer_norm_backward", "r2g", 1024),
-                                        ("rms_norm_backward", "s2g", 2048))}}
+                    "norm_bwd_narrow": (("layer_norm_backward", ("r2g",), 1024),
+                                        ("rms_norm_backward", ("s2g", "r2g"), 2048))}}
 
 
 def tuning_for(device) -> Tuning:
