@@ -122,6 +122,36 @@ def block_tail(op: str, dtype: str, threads: int) -> int:
 
 
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
+    """:func:`col_sums_rule`'s way, with its sums in registers over float32 rows of at least
+    the device table's norm_bwd_regs_min_cols_32bit columns where its slice fits them (four
+    packs a thread) and it stays resident."""
+    from cukern import plan as planner
+    from cukern import registry
+    from cukern.plan.policy import tuning_for
+
+    way = col_sums_rule(op, dtype, cols, device, occ)
+    least = tuning_for(device).norm_bwd_regs_min_cols_32bit
+    if way is None or dtype != "float32" or not least or cols < least or way[3]:
+        return way
+    size, threads, smem, _, gamma = way
+    pack = planner.pack_size(dtype, cols, 16, False)
+    sp = -(-(cols // pack) // size)
+    if sp > 4 * threads:
+        return way
+    info = registry.policy(op)
+    smem -= info.col_sums * 4 * sp * pack
+    plan = planner.Plan(
+        op=op, dtype=dtype, rows=1, cols=cols, pack_size=pack, strided=False,
+        device=device.name, switches=planner.Switches(weight=True), policy=info,
+        variant=planner.Variant.BLOCK_SMEM if size == 1 else planner.Variant.CLUSTER,
+        block=(threads, 1), grid=size, smem_bytes=smem, cluster=size, sums_in_registers=True,
+        gamma_in_smem=gamma, cols_per_thread=0, thread_group_width=0, rows_per_access=0,
+        padding=False)
+    resident = device.model_occupancy(threads, smem) if occ is None else occ(plan)
+    return (size, threads, smem, True, gamma) if resident > 0 else way
+
+
+def col_sums_rule(op: str, dtype: str, cols: int, device, occ=None):
     """(cluster size, threads, smem_bytes, sums_in_registers, gamma_in_smem) of a backward with
     column sums (dweight, dbias) over rows of ``cols`` (16-byte aligned), by the rules
     documented in ``cukern.plan.col_sums.ways``, or None where no way fits (the uncached

@@ -463,12 +463,13 @@ def test_layer_norm_narrow_way(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_h200_narrow_ways(dtype):
+def test_h200_backward_ways(dtype):
     """The H200's table (Tuning.norm_bwd_narrow): 16-bit rows in 16-byte packs take layer
     norm's R2g from 2048 columns (one block, then clusters: the narrowest block holding its
     slice with the sums in registers) and RMS norm's narrow S2g past 2048 (128 threads,
     everything on chip, three blocks an SM), else its R2g; the H100 keeps layer norm's S2g and
-    no RMS rule; float32 and 8-byte packs plan alike on both."""
+    no RMS rule; 8-byte packs plan alike on both, and float32 but for its sums in registers
+    from 32768 columns."""
     assert planner.tuning_for(H200).norm_bwd_narrow == (
         ("layer_norm_backward", ("r2g",), 1024), ("rms_norm_backward", ("s2g", "r2g"), 2048))
     assert planner.tuning_for(H100).norm_bwd_narrow == (("layer_norm_backward", ("s2g",), 2048),)
@@ -508,6 +509,21 @@ def test_h200_narrow_ways(dtype):
     # ... and where a driver keeps fewer than three S2g blocks an SM: 8192 columns, one block
     p = plan_rowwise(rms, 10**4, 8192, dtype, H200, lambda plan: 2, switches=WEIGHT)
     assert (p.cluster, p.threads, p.sums_in_registers, p.gamma_in_smem) == (1, 512, True, True)
+    # float32 rows of 32768 columns and more (norm_bwd_regs_min_cols_32bit): the H100's way,
+    # its sums in registers (the slice four packs a thread or fewer); 36000 columns do not fit
+    for op, cols, size, threads in ((lay, 32768, 8, 256), (lay, 65536, 16, 256),
+                                    (lay, 131072, 16, 512), (rms, 32768, 4, 512),
+                                    (rms, 65536, 8, 512), (rms, 131072, 16, 512)):
+        p200 = plan_rowwise(op, 10**3, cols, "float32", H200, switches=WEIGHT)
+        p100 = plan_rowwise(op, 10**3, cols, "float32", H100, switches=WEIGHT)
+        assert (p200.cluster, p200.threads) == (p100.cluster, p100.threads) == (size, threads)
+        assert p200.sums_in_registers and not p100.sums_in_registers, (op, cols)
+        assert p200.smem_bytes == p100.smem_bytes - policy(op).col_sums * 4 * (cols // size)
+        assert p200 == planner.col_sums_ways(p200, H200)[0]
+    p200 = plan_rowwise(lay, 10**3, 36000, "float32", H200, switches=WEIGHT)
+    assert not p200.sums_in_registers, p200
+    assert planner.tuning_for(H200).norm_bwd_regs_min_cols_32bit == 32768
+    assert planner.tuning_for(H100).norm_bwd_regs_min_cols_32bit == 0
     # the general order on both: RMS norm at 2048 columns, 8-byte packs, float32, layer norm at
     # 1024 columns
     for op, cols, dt, o in ((rms, 2048, dtype, None),

@@ -83,8 +83,8 @@ def col_sums_shapes(op, dtype):
               ((5, 513), Variant.BLOCK_SMEM), ((5, 1024), Variant.BLOCK_SMEM)]
 
     occ = runner.driver_occupancy(0)
-    for cols in (1025, 2048, 5001, 6500, 12288, 14500, 16384, 18000, 20001, 36000, 70000,
-                 10**5 + 3, 160000, 300000):
+    for cols in (1025, 2048, 5001, 6500, 12288, 14500, 16384, 18000, 20001, 32768, 36000, 65536,
+                 70000, 10**5 + 3, 160000, 300000):
         way = col_sums_expected(op, dtype, cols, spec(), occ)
         variant = Variant.BLOCK_UNCACHED
         if way is not None:

@@ -27,7 +27,7 @@ from .common import (
     replace,
     resident_clusters,
 )
-from .policy import tuning_for
+from .policy import Tuning, tuning_for
 
 __all__ = ["col_sums_ways", "plan_col_sums", "param_reduce_shape", "plan_param_grad",
            "ParamGradPlan", "reg_sum_packs"]
@@ -89,7 +89,9 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     3. else the block kernel's best, or with no block way, ``_cluster_fallback``.
     Before them, over 16-bit rows in 16-byte packs, the first of the op's ways in
     ``Tuning.norm_bwd_narrow`` that fits (the H100: layer norm's ``_narrow_s2g`` past 2048
-    columns), and layer norm's ``_pair_r2g`` in 8-byte packs past 2048, where one fits.
+    columns), and layer norm's ``_pair_r2g`` in 8-byte packs past 2048, where one fits. Over
+    float32 rows of at least ``Tuning.norm_bwd_regs_min_cols_32bit`` columns the first way
+    keeps its sums in registers where its slice fits them (``_regs_32bit``).
     """
     tune = tuning_for(device)
     pol, dtype, cols, pack = base["policy"], base["dtype"], base["cols"], base["pack_size"]
@@ -144,7 +146,7 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
         if first_only and size == 1 and blocks:  # rule 1 needs no cluster asked about
             best = max(blocks, key=lambda w: _block_key(*w[1:], w[0]))
             if _keeps_block(best, item):
-                return [best[:3]]
+                return [_regs_32bit(best, base, tune, occ)[:3]]
         if (blocks or clusters) and first is None:
             first = size
     if narrow is not None:  # first; and not again among the rest
@@ -170,7 +172,25 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
             order = [fallback] + [w for w in rest if w[0] != fallback[0]]
     if narrow is not None:
         order = [narrow] + order
+    if order:
+        head = _regs_32bit(order[0], base, tune, occ)
+        order = [head] + [w for w in order[1:] if w[0] != head[0]]
     return [w[:3] for w in order]
+
+
+def _regs_32bit(way: Way, base: dict, tune: Tuning, occ: Occupancy) -> Way:
+    """``way`` with its column sums in registers in place of shared memory, for float32 rows of
+    at least Tuning.norm_bwd_regs_min_cols_32bit columns where its slice fits them and it
+    stays resident; else ``way``."""
+    plan, per_sm, two, slice_packs = way
+    if ITEMSIZE[base["dtype"]] != 4 or not tune.norm_bwd_regs_min_cols_32bit or \
+            base["cols"] < tune.norm_bwd_regs_min_cols_32bit or plan.sums_in_registers or \
+            slice_packs > reg_sum_packs(base["dtype"], plan.pack_size) * plan.threads:
+        return way
+    sums = _sums(base) * 4 * slice_packs * plan.pack_size
+    regs = replace(plan, smem_bytes=plan.smem_bytes - sums, sums_in_registers=True)
+    per = occ(regs)
+    return (regs, per, two, slice_packs) if per > 0 else way
 
 
 def _narrow_s2g(base: dict, no_warp: dict, packs: int, device: DeviceSpec,

@@ -72,6 +72,10 @@ class Tuning:
     # 87.4 for one block of 1024 threads). The H200's in its table below
     norm_bwd_narrow: tuple[tuple[str, tuple[str, ...], int], ...] = (
         ("layer_norm_backward", ("s2g",), 2048),)
+    # ... and over float32 rows of at least this many columns (0: never), the planned way's
+    # column sums go to registers where its slice fits them (RegSums: 4 packs a thread), the
+    # rest of the way kept. The H200's in its table below
+    norm_bwd_regs_min_cols_32bit: int = 0
     # column-sum partial rows straight from x and dy (uncached backward): block width and waves
     partial_threads: int = 256
     partial_waves: int = 2
@@ -298,12 +302,16 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # 2048 columns, against the H100's rules 71.7 -> 82.5% of copy (2048), 77.1 -> 80.3 (4096),
 # 72.2 -> 77.6 (8192), 70.1 -> 72.2 (16384), 63.8 -> 71.1 (32768); RMS norm narrow S2g past 2048,
 # 89.5 -> 99.0 (4096), 87.2 -> 94.7 (8192), 82.0 -> 91.9 (16384), 75.9 -> 86.2 (32768), and R2g
-# where no S2g way fits: 69.4 -> 80.2 (131072), 60.8 -> 78.2 (262144)
+# where no S2g way fits: 69.4 -> 80.2 (131072), 60.8 -> 78.2 (262144). norm_bwd_regs_min_cols_32bit
+# (the same ways): float32 layer norm clusters with the sums in registers, 93.8 -> 94.7 (32768),
+# 89.6 -> 93.2 (65536), 83.4 -> 88.2 (131072); RMS norm 95.8 -> 98.7, 95.7 -> 98.8, 88.8 -> 97.0;
+# at 16384 layer norm -0.2
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
                     "norm_bwd_narrow": (("layer_norm_backward", ("r2g",), 1024),
-                                        ("rms_norm_backward", ("s2g", "r2g"), 2048))}}
+                                        ("rms_norm_backward", ("s2g", "r2g"), 2048)),
+                    "norm_bwd_regs_min_cols_32bit": 32768}}
 
 
 def tuning_for(device) -> Tuning:
