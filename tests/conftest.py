@@ -122,9 +122,9 @@ def block_tail(op: str, dtype: str, threads: int) -> int:
 
 
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
-    """:func:`col_sums_rule`'s way, with its sums in registers over float32 rows of at least
-    the device table's norm_bwd_regs_min_cols_32bit columns where its slice fits them (four
-    packs a thread) and it stays resident."""
+    """:func:`col_sums_rule`'s way, with its sums in registers over float32 rows in 16-byte
+    packs of at least the device table's norm_bwd_regs_min_cols_32bit columns where its slice
+    fits them (four packs a thread) and it stays resident."""
     from cukern import plan as planner
     from cukern import registry
     from cukern.plan.policy import tuning_for
@@ -136,7 +136,7 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     size, threads, smem, _, gamma = way
     pack = planner.pack_size(dtype, cols, 16, False)
     sp = -(-(cols // pack) // size)
-    if sp > 4 * threads:
+    if pack != 4 or sp > 4 * threads:
         return way
     info = registry.policy(op)
     smem -= info.col_sums * 4 * sp * pack

@@ -180,10 +180,11 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
 
 def _regs_32bit(way: Way, base: dict, tune: Tuning, occ: Occupancy) -> Way:
     """``way`` with its column sums in registers in place of shared memory, for float32 rows of
-    at least Tuning.norm_bwd_regs_min_cols_32bit columns where its slice fits them and it
-    stays resident; else ``way``."""
+    at least Tuning.norm_bwd_regs_min_cols_32bit columns in 16-byte packs where its slice
+    fits them and it stays resident; else ``way``."""
     plan, per_sm, two, slice_packs = way
-    if ITEMSIZE[base["dtype"]] != 4 or not tune.norm_bwd_regs_min_cols_32bit or \
+    if ITEMSIZE[base["dtype"]] != 4 or plan.pack_size != 4 or \
+            not tune.norm_bwd_regs_min_cols_32bit or \
             base["cols"] < tune.norm_bwd_regs_min_cols_32bit or plan.sums_in_registers or \
             slice_packs > reg_sum_packs(base["dtype"], plan.pack_size) * plan.threads:
         return way

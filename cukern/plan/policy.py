@@ -72,9 +72,9 @@ class Tuning:
     # 87.4 for one block of 1024 threads). The H200's in its table below
     norm_bwd_narrow: tuple[tuple[str, tuple[str, ...], int], ...] = (
         ("layer_norm_backward", ("s2g",), 2048),)
-    # ... and over float32 rows of at least this many columns (0: never), the planned way's
-    # column sums go to registers where its slice fits them (RegSums: 4 packs a thread), the
-    # rest of the way kept. The H200's in its table below
+    # ... and over float32 rows in 16-byte packs of at least this many columns (0: never), the
+    # planned way's column sums go to registers where its slice fits them (RegSums: 4 packs a
+    # thread), the rest of the way kept. The H200's in its table below
     norm_bwd_regs_min_cols_32bit: int = 0
     # column-sum partial rows straight from x and dy (uncached backward): block width and waves
     partial_threads: int = 256
