@@ -303,9 +303,9 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # 72.2 -> 77.6 (8192), 70.1 -> 72.2 (16384), 63.8 -> 71.1 (32768); RMS norm narrow S2g past 2048,
 # 89.5 -> 99.0 (4096), 87.2 -> 94.7 (8192), 82.0 -> 91.9 (16384), 75.9 -> 86.2 (32768), and R2g
 # where no S2g way fits: 69.4 -> 80.2 (131072), 60.8 -> 78.2 (262144). norm_bwd_regs_min_cols_32bit
-# (the same ways): float32 layer norm clusters with the sums in registers, 93.8 -> 94.7 (32768),
-# 89.6 -> 93.2 (65536), 83.4 -> 88.2 (131072); RMS norm 95.8 -> 98.7, 95.7 -> 98.8, 88.8 -> 97.0;
-# at 16384 layer norm -0.2
+# (A/B against the H100's plans): float32 layer norm clusters with the sums in registers 92.0 ->
+# 93.0 (32768), 89.1 -> 92.7 (65536), 82.8 -> 87.6 (131072); RMS norm 94.9 -> 94.9, 94.0 ->
+# 96.6, 94.7 -> 96.6; forced at 16384, layer norm -0.2
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
