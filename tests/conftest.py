@@ -159,12 +159,12 @@ def col_sums_rule(op: str, dtype: str, cols: int, device, occ=None):
 
     First, over 16-bit rows (devices with clusters), the first of the device table's
     norm_bwd_narrow ways for the op that fits, past its columns, in 16-byte packs: "s2g" (the
-    H100's for layer norm past 2048), the first of one block, clusters of 2, 4, 8, 16 (at least 128 packs a block in a
-    cluster) whose slice, held by 128 threads with two buffers, gamma and shared sums, fits
-    three times in an SM's shared memory and keeps three blocks per SM; "r2g", the first of
-    one block, clusters of 2..16 whose slice the narrowest block (128..1024 threads) holds with
-    register sums, two buffers and gamma, resident. Layer norm in 8-byte packs past 2048
-    columns: that "r2g" from clusters of 2.
+    H100's for layer norm past 2048), the first of one block, clusters of 2, 4, 8, 16 (at
+    least 128 packs a block in a cluster) whose slice, held by 128 threads with two buffers,
+    gamma and shared sums, fits three times in an SM's shared memory and keeps three blocks
+    per SM; "r2g", the first of one block, clusters of 2..16 whose slice the narrowest block
+    (128..1024 threads) holds with register sums, two buffers and gamma, resident. Layer norm
+    in 8-byte packs past 2048 columns: that "r2g" from clusters of 2.
 
     Ways: one block a row (size 1) or clusters from the smallest size any way fits up to four
     times it (each block with at least 128 packs); 128..1024 threads (each with a pack, but
@@ -211,6 +211,7 @@ def col_sums_rule(op: str, dtype: str, cols: int, device, occ=None):
             cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
 
     sizes = [1] + (list(planner.CLUSTER_SIZES) if device.has_clusters else [])
+
     def r2g(from_sizes):  # sums in registers, two buffers, gamma
         for size in from_sizes:
             sp = -(-packs // size)
