@@ -186,7 +186,9 @@ def run(args, moved_bytes) -> None:
     if gaps:
         print(f"planned vs the fastest forced way: {sum(gaps) / len(gaps):.2f} points behind "
               f"on average, {max(gaps):.2f} at most ({len(gaps)} widths)")
-    payload = out.merge_previous(dict(cupy=cp.__version__, results=results))
+    # widths this run did not time are kept (a run of some widths adds to the file)
+    payload = out.merge_previous(dict(cupy=cp.__version__, results=results),
+                                 key=lambda r: (r["op"], r["dtype"], r["cols"]))
     out.save(payload)
     n = out.append(history_rows(results, moved_bytes))
     print(f"history: {n} rows appended to {os.path.join(args.out, _results.HISTORY)}")
