@@ -121,6 +121,26 @@ def block_tail(op: str, dtype: str, threads: int) -> int:
     return cluster_tail(op, dtype, threads, cluster=False)
 
 
+def col_sums_resident(op, dtype, cols, device, occ, size, threads, smem, in_regs, gamma) -> int:
+    """Resident blocks an SM of one cached-backward way (a weight given): ``occ(plan)``, or the
+    device model's where ``occ`` is None; 0 past the dynamic shared-memory limit."""
+    from cukern import plan as planner
+    from cukern import registry
+
+    if smem > planner.max_dynamic_smem(device):
+        return 0
+    if occ is None:
+        return device.model_occupancy(threads, smem)
+    return occ(planner.Plan(
+        op=op, dtype=dtype, rows=1, cols=cols, pack_size=planner.pack_size(dtype, cols, 16, False),
+        strided=False, device=device.name, switches=planner.Switches(weight=True),
+        policy=registry.policy(op),
+        variant=planner.Variant.BLOCK_SMEM if size == 1 else planner.Variant.CLUSTER,
+        block=(threads, 1), grid=size, smem_bytes=smem, cluster=size, sums_in_registers=in_regs,
+        gamma_in_smem=gamma, cols_per_thread=0, thread_group_width=0, rows_per_access=0,
+        padding=False))
+
+
 def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     """:func:`col_sums_rule`'s way, with its sums in registers over float32 rows in 16-byte
     packs of at least the device table's norm_bwd_regs_min_cols_32bit columns where its slice
@@ -138,16 +158,8 @@ def col_sums_expected(op: str, dtype: str, cols: int, device, occ=None):
     sp = -(-(cols // pack) // size)
     if pack != 4 or sp > 4 * threads:
         return way
-    info = registry.policy(op)
-    smem -= info.col_sums * 4 * sp * pack
-    plan = planner.Plan(
-        op=op, dtype=dtype, rows=1, cols=cols, pack_size=pack, strided=False,
-        device=device.name, switches=planner.Switches(weight=True), policy=info,
-        variant=planner.Variant.BLOCK_SMEM if size == 1 else planner.Variant.CLUSTER,
-        block=(threads, 1), grid=size, smem_bytes=smem, cluster=size, sums_in_registers=True,
-        gamma_in_smem=gamma, cols_per_thread=0, thread_group_width=0, rows_per_access=0,
-        padding=False)
-    resident = device.model_occupancy(threads, smem) if occ is None else occ(plan)
+    smem -= registry.policy(op).col_sums * 4 * sp * pack
+    resident = col_sums_resident(op, dtype, cols, device, occ, size, threads, smem, True, gamma)
     return (size, threads, smem, True, gamma) if resident > 0 else way
 
 
@@ -193,22 +205,12 @@ def col_sums_rule(op: str, dtype: str, cols: int, device, occ=None):
     packs = cols // pack
     apt = max(1, (8 if dtype == "float64" else 16) // pack)
     csize = 8 if dtype == "float64" else 4
-    limit = planner.max_dynamic_smem(device)
     align = info.smem_align
     sums_per_value = info.col_sums * csize
 
     def blocks_per_sm(size, threads, smem, in_regs, gamma):
-        if smem > limit:
-            return 0
-        if occ is None:
-            return device.model_occupancy(threads, smem)
-        variant = planner.Variant.BLOCK_SMEM if size == 1 else planner.Variant.CLUSTER
-        return occ(planner.Plan(
-            op=op, dtype=dtype, rows=1, cols=cols, pack_size=pack, strided=False,
-            device=device.name, switches=planner.Switches(weight=True), policy=info,
-            variant=variant, block=(threads, 1), grid=size,
-            smem_bytes=smem, cluster=size, sums_in_registers=in_regs, gamma_in_smem=gamma,
-            cols_per_thread=0, thread_group_width=0, rows_per_access=0, padding=False))
+        return col_sums_resident(op, dtype, cols, device, occ, size, threads, smem, in_regs,
+                                 gamma)
 
     sizes = [1] + (list(planner.CLUSTER_SIZES) if device.has_clusters else [])
 
