@@ -180,8 +180,9 @@ def col_sums_rule(op: str, dtype: str, cols: int, device, occ=None):
 
     Ways: one block a row (size 1) or clusters from the smallest size any way fits up to four
     times it (each block with at least 128 packs); 128..1024 threads (each with a pack, but
-    128); sums in shared memory or registers (at most reg_sum_packs packs a thread); one or two
-    buffers (two: packs of at least 4 bytes); gamma in shared memory or not (not float64).
+    128; float32: the device table's norm_bwd_min_packs_32bit packs); sums in shared memory
+    or registers (at most reg_sum_packs packs a thread); one or two buffers (two: packs of at
+    least 4 bytes); gamma in shared memory or not (not float64).
     The block's best (gamma, resident threads nearest 1024, shared sums (registers for rows
     of at most 128 packs), busy threads, width, two buffers) stays where it keeps two blocks
     per SM or holds everything on chip (two buffers, or one for 4-byte values, beside gamma
@@ -253,13 +254,14 @@ def col_sums_rule(op: str, dtype: str, cols: int, device, occ=None):
                 return found
 
     ways, first = [], None  # (size, threads, smem, in_regs, gamma, two, per_sm, slice packs)
+    least = tuning_for(device).norm_bwd_min_packs_32bit if item == 4 else 1
     for size in sizes:
         sp = -(-packs // size)
         if (first is not None and size > 4 * first) or (size > 1 and sp < 128):
             break
         for threads in (128, 256, 512, 1024):
             for in_regs, two, gamma in itertools.product((True, False), repeat=3):
-                if (threads > 128 and threads > sp) or (two and pack * item < 4) or \
+                if (threads > 128 and threads * least > sp) or (two and pack * item < 4) or \
                         (in_regs and math.ceil(sp / threads) > apt) or (gamma and csize == 8):
                     continue
                 values = sp * pack

@@ -524,6 +524,21 @@ def test_h200_backward_ways(dtype):
     assert not p200.sums_in_registers, p200
     assert planner.tuning_for(H200).norm_bwd_regs_min_cols_32bit == 32768
     assert planner.tuning_for(H100).norm_bwd_regs_min_cols_32bit == 0
+    # float32 blocks wider than 128 threads hold two packs a thread of their slice
+    # (norm_bwd_min_packs_32bit): with every width at 1024 resident threads, the H100 takes
+    # the widest block (a pack a thread), the H200 one of half its width
+    assert planner.tuning_for(H200).norm_bwd_min_packs_32bit == 2
+    assert planner.tuning_for(H100).norm_bwd_min_packs_32bit == 1
+    flat = lambda plan: max(1, 1024 // plan.threads)  # noqa: E731
+    for op, cols, t100, t200 in ((lay, 1024, 256, 128), (lay, 2048, 512, 256),
+                                 (rms, 4096, 1024, 512)):
+        p200 = plan_rowwise(op, 10**4, cols, "float32", H200, flat, switches=WEIGHT)
+        p100 = plan_rowwise(op, 10**4, cols, "float32", H100, flat, switches=WEIGHT)
+        assert (p100.cluster, p100.threads) == (1, t100), (op, cols, p100)
+        assert (p200.cluster, p200.threads) == (1, t200), (op, cols, p200)
+        for way in planner.col_sums_ways(p200, H200, flat):
+            assert way.threads == 128 or 2 * way.threads <= -(-cols // 4 // way.cluster), way
+        assert p200 == planner.col_sums_ways(p200, H200, flat)[0]
     # the general order on both: RMS norm at 2048 columns, 8-byte packs, float32, layer norm at
     # 1024 columns
     for op, cols, dt, o in ((rms, 2048, dtype, None),

@@ -82,7 +82,8 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     not take).
 
     Clusters are tried from the smallest size any way fits, up to two doublings past it, while
-    each block keeps at least 128 packs. Of the ways that fit:
+    each block keeps at least 128 packs; blocks wider than 128 threads hold a pack a thread
+    (float32: ``Tuning.norm_bwd_min_packs_32bit``). Of the ways that fit:
     1. the block kernel's best (``_block_key``) where ``_keeps_block``;
     2. else the "S2g" clusters (x and dy twice, gamma and the sums in shared memory) of the
        smallest size that has one and twice that, by ``_cluster_key``;
@@ -100,6 +101,7 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
     packs = cols // pack
     apt = reg_sum_packs(dtype, pack)
     limit = max_dynamic_smem(device)
+    least = tune.norm_bwd_min_packs_32bit if item == 4 else 1  # packs a thread, past 128
     clusters_ok = device.has_clusters and not strided
     narrow = None
     if sums and item == 2 and clusters_ok:
@@ -129,7 +131,7 @@ def ways(base: dict, no_warp: dict, device: DeviceSpec, occ: Occupancy,
         variant = Variant.BLOCK_SMEM if size == 1 else Variant.CLUSTER
         for threads, in_regs, two, gamma in itertools.product(
                 (128,) + tune.block_sizes, (False, True), (True, False), (False, True)):
-            if threads > max(128, slice_packs) or \
+            if (threads > 128 and threads * least > slice_packs) or \
                     (in_regs and -(-slice_packs // threads) > apt) or \
                     (two and pack * item < 4) or (gamma and csize != 4):
                 continue

@@ -76,6 +76,10 @@ class Tuning:
     # planned way's column sums go to registers where its slice fits them (RegSums: 4 packs a
     # thread), the rest of the way kept. The H200's in its table below
     norm_bwd_regs_min_cols_32bit: int = 0
+    # ... and over float32 rows, the blocks (alone or in a cluster) of more than 128 threads
+    # that the planner considers hold at least this many packs a thread of their slice (1: a
+    # pack each). The H200's in its table below
+    norm_bwd_min_packs_32bit: int = 1
     # column-sum partial rows straight from x and dy (uncached backward): block width and waves
     partial_threads: int = 256
     partial_waves: int = 2
@@ -311,7 +315,7 @@ _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_p
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
                     "norm_bwd_narrow": (("layer_norm_backward", ("r2g",), 1024),
                                         ("rms_norm_backward", ("s2g", "r2g"), 2048)),
-                    "norm_bwd_regs_min_cols_32bit": 32768}}
+                    "norm_bwd_regs_min_cols_32bit": 32768, "norm_bwd_min_packs_32bit": 2}}
 
 
 def tuning_for(device) -> Tuning:
