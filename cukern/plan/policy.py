@@ -309,7 +309,9 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # where no S2g way fits: 69.4 -> 80.2 (131072), 60.8 -> 78.2 (262144). norm_bwd_regs_min_cols_32bit
 # (A/B against the H100's plans): float32 layer norm clusters with the sums in registers 92.0 ->
 # 93.0 (32768), 89.1 -> 92.7 (65536), 82.8 -> 87.6 (131072); RMS norm 94.9 -> 94.9, 94.0 ->
-# 96.6, 94.7 -> 96.6; forced at 16384, layer norm -0.2
+# 96.6, 94.7 -> 96.6; forced at 16384, layer norm -0.2. norm_bwd_min_packs_32bit (A/B against
+# c28a9f2): float32 layer norm 83.5 -> 92.1 (1024 columns), 81.5 -> 91.3 (2048); forced ways of
+# a pack a thread 58-94 against 85-100 at two
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
