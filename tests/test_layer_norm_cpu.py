@@ -109,6 +109,33 @@ def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
     assert p.smem_bytes == 0
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_h200_two_packs_a_lane(op):
+    """The H200's table (Tuning.two_packs_max_packs 32): forward warp rows of 3 up to 32 full
+    16-byte packs take two packs of one row a lane (the H100: up to 8); with a residual, and in
+    smaller packs, OneFlow's shape on both; the reachable set of the architecture has both."""
+    assert planner.tuning_for(H200).two_packs_max_packs == 32
+    assert planner.tuning_for(H100).two_packs_max_packs == 8
+    for cols, dtype, h200, h100 in ((128, "float16", (8, 16, 1, False), (16, 8, 2, False)),
+                                    (200, "bfloat16", (16, 16, 1, True), (32, 8, 2, True)),
+                                    (256, "float16", (16, 16, 1, False), (32, 8, 2, False)),
+                                    (128, "float32", (16, 8, 1, False), (32, 4, 2, False)),
+                                    (64, "float16", (4, 16, 1, False), (4, 16, 1, False)),
+                                    (512, "float16", (32, 16, 1, False), (32, 16, 1, False))):
+        for device, want in ((H200, h200), (H100, h100)):
+            p = plan_rowwise(op, 2 * LONG, cols, dtype, device, switches=Switches(weight=True))
+            assert (p.thread_group_width, p.cols_per_thread, p.rows_per_access,
+                    p.padding) == want, (device.name, cols, dtype, p)
+            assert p.name_expression() in planner.reachable_plans(op, dtype, H100)
+        # a residual, or packs under 16 bytes (cols odd in 8), keep the H100's shape
+        p = plan_rowwise(op, 2 * LONG, cols, dtype, H200, switches=Switches(residual=True))
+        q = plan_rowwise(op, 2 * LONG, cols, dtype, H100, switches=Switches(residual=True))
+        assert (p.thread_group_width, p.cols_per_thread) == (q.thread_group_width,
+                                                             q.cols_per_thread)
+    p = plan_rowwise(op, 2 * LONG, 132, "float16", H200)  # packs of 4 (8 bytes)
+    assert (p.pack_size, p.thread_group_width, p.cols_per_thread) == (4, 32, 8)
+
+
 def test_name_expressions():
     p = plan_rowwise("layer_norm", 4096, 768, "float16", H100,
                      switches=Switches(weight=True, bias=True))
@@ -804,10 +831,10 @@ def test_reachable_covers_planner_output():
         # sizes shared memory: try the first and the last of each op's list
         switch_sets = {policy(op).switch_sets[0], policy(op).switch_sets[-1]}
         for dt in ITEM:
-            for device in (H100, H200, A100):  # the H200: the H100's set, its own rules
+            for device in (H100, H200, A100):  # the H200: its own rules, in the H100's set
                 reach = planner.reachable_plans(op, dt, device)
                 for sw in switch_sets:
-                    for cols in (short if device is H100 else []) + long:
+                    for cols in (short if device is not A100 else []) + long:
                         for rows in (1, 2):
                             for align in (1, 2, 4, 16):
                                 p = plan_rowwise(op, rows, cols, dt, device, align_elems=align,

@@ -122,6 +122,9 @@ def variant_shapes(op, dtype, weight=False):
               ((8, 31), Variant.WARP), ((9, 32), Variant.WARP), ((10, 33), Variant.WARP),
               ((5, 64), Variant.WARP), ((6, 24), Variant.WARP), ((7, 40), Variant.WARP),
               ((300, 100), Variant.WARP), ((3, 768), Variant.WARP),
+              # 16-byte packs: 9, 17 and 32 a row (the H200's two packs a lane, padded or not)
+              ((5, 9 * wide), Variant.WARP), ((4, 17 * wide), Variant.WARP),
+              ((3, 32 * wide), Variant.WARP),
               ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
               ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
               ((2, edge - 1), at_edge), ((3, edge // wide * wide), at_edge)]

@@ -210,13 +210,14 @@ def pack_size(dtype: str, cols: int, align_elems: int, strided: bool) -> int:
 
 
 def warp_shape(cols: int, pack: int, rows: int,
-               two_packs: bool = False) -> tuple[int, int, int, bool]:
+               two_packs: int = 0) -> tuple[int, int, int, bool]:
     """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel.
     Small rows: the narrowest group that holds them, a pack a lane, two rows a group for an
     even row count (OneFlow). Longer rows: 32 lanes and a power-of-two number of packs a lane
     (the kernels guard every pack, so one instantiation serves every width up to it).
-    ``two_packs``: rows of 3..8 packs take two packs of one row a lane instead."""
-    if two_packs and 2 * pack < cols <= 8 * pack:
+    ``two_packs``: rows of 3 up to that many packs take two packs of one row a lane instead
+    (0: none)."""
+    if two_packs and 2 * pack < cols <= two_packs * pack:
         width = 1
         while width * 2 * pack < cols:
             width *= 2

@@ -11,7 +11,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-__all__ = ["Tuning", "OpPolicy", "HOPPER", "AMPERE", "TURING", "VOLTA", "tuning_for"]
+__all__ = ["Tuning", "OpPolicy", "HOPPER", "AMPERE", "TURING", "VOLTA", "arch_tunings",
+           "tuning_for"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class Tuning:
     warp_max_cols_with_sums: int = 512
     # OneFlow: 128 threads a block for the warp kernel
     warp_block_threads: int = 128
+    # forward norms (OpPolicy.two_packs_a_lane): warp rows of 3 up to this many 16-byte packs
+    # take two packs of one row a lane: layer norm float16 64 columns 95.0 -> 96.4% of copy;
+    # from 16 packs (groups of 8 lanes) 0.4-0.6 slower (H100). The H200's in its table below
+    two_packs_max_packs: int = 8
     # block widths tried, widest first, against the 128-thread occupancy (OneFlow)
     block_sizes: tuple[int, ...] = (1024, 512, 256)
     uncached_block: int = 1024
@@ -311,13 +316,25 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # 93.0 (32768), 89.1 -> 92.7 (65536), 82.8 -> 87.6 (131072); RMS norm 94.9 -> 94.9, 94.0 ->
 # 96.6, 94.7 -> 96.6; forced at 16384, layer norm -0.2. norm_bwd_min_packs_32bit (A/B against
 # c28a9f2): float32 layer norm 83.5 -> 92.1 (1024 columns), 81.5 -> 91.3 (2048); forced ways of
-# a pack a thread 58-94 against 85-100 at two
+# a pack a thread 58-94 against 85-100 at two. two_packs_max_packs 32 (forward warp shapes
+# forced, H200): layer norm float16 128 columns 86.7 -> 94.7 (8 lanes of 2 packs), 256 85.4 ->
+# 94.7 (16 of 2); RMS norm float16 and both ops in float32 within -0.6..+0.9
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
                     "norm_bwd_narrow": (("layer_norm_backward", ("r2g",), 1024),
                                         ("rms_norm_backward", ("s2g", "r2g"), 2048)),
-                    "norm_bwd_regs_min_cols_32bit": 32768, "norm_bwd_min_packs_32bit": 2}}
+                    "norm_bwd_regs_min_cols_32bit": 32768, "norm_bwd_min_packs_32bit": 2,
+                    "two_packs_max_packs": 32}}
+_MODEL_ARCH = {"H200": (9, 0)}  # the architecture (table) each model's changes apply to
+
+
+def arch_tunings(device) -> list[Tuning]:
+    """The table of the device's architecture and that table with the changes of each GPU
+    model of the architecture: every table a device of it may plan with (reachable kernels)."""
+    cc = (9, 0) if device is None else tuple(device.compute_capability)
+    arch = max((k for k in _TABLES if k <= cc), default=(8, 0))
+    return [_table_for(cc)] + [_table_for(cc, m) for m in _MODELS if _MODEL_ARCH[m] == arch]
 
 
 def tuning_for(device) -> Tuning:

@@ -32,7 +32,7 @@ from .common import (
     resident_clusters,
     warp_shape,
 )
-from .policy import OpPolicy, Tuning, tuning_for
+from .policy import OpPolicy, Tuning, arch_tunings, tuning_for
 
 __all__ = ["plan_rowwise", "reachable_plans", "MAX_COLS"]
 
@@ -54,9 +54,11 @@ def _registered(op: str) -> OpPolicy:
     return policy(op)
 
 
-def _two_packs(pol: OpPolicy, sw: Switches, pack_bytes: int) -> bool:
-    """Warp rows of 3..8 packs two packs a lane: full 16-byte packs, no residual."""
-    return pol.two_packs_a_lane and pack_bytes == 16 and not sw.residual
+def _two_packs(pol: OpPolicy, sw: Switches, pack_bytes: int, tune: Tuning) -> int:
+    """Warp rows of 3 up to this many packs take two packs a lane (0: none): full 16-byte
+    packs, no residual, Tuning.two_packs_max_packs."""
+    ok = pol.two_packs_a_lane and pack_bytes == 16 and not sw.residual
+    return tune.two_packs_max_packs if ok else 0
 
 
 def _may_pair(pol: OpPolicy, sw: Switches, dtype: str) -> bool:
@@ -181,8 +183,8 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
 
 
 def _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune: Tuning) -> Plan:
-    width, cpt, rpa, padding = warp_shape(cols, pack, rows,
-                                          two_packs=_two_packs(pol, base["switches"], pack * item))
+    width, cpt, rpa, padding = warp_shape(
+        cols, pack, rows, two_packs=_two_packs(pol, base["switches"], pack * item, tune))
     block = (width, tune.warp_block_threads // width)
     resident = device.sms * (device.max_threads_per_sm // tune.warp_block_threads)
     if rpa == 2 and -(-rows // block[1]) <= tune.short_grid_waves * resident:
@@ -355,9 +357,10 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
             names.add(Plan(variant=variant, block=(threads, 1), smem_bytes=0, **shape, **kw,
                            **base).name_expression())
 
-        two_packs = _two_packs(pol, sw, pack * item)
-        shapes = {warp_shape(cols, pack, rows, two_packs=two_packs) for cols, rows in
-                  itertools.product(range(pack, tune.warp_max_cols + 1, pack), (1, 2))}
+        # two packs a lane as far as any GPU model of the architecture takes them
+        limits = {_two_packs(pol, sw, pack * item, t) for t in arch_tunings(device)}
+        shapes = {warp_shape(cols, pack, rows, two_packs=n) for cols, rows, n in
+                  itertools.product(range(pack, tune.warp_max_cols + 1, pack), (1, 2), limits)}
         for width, cpt, rpa, padding in shapes:  # each distinct shape once
             add(Variant.WARP, width, cols_per_thread=cpt, thread_group_width=width,
                 rows_per_access=rpa, padding=padding)
