@@ -4,7 +4,7 @@
 // (cukern/plan/permute.py) simplifies the permutation to dims of (size, input stride, output
 // stride) in elements, then launches one kernel:
 //
-//   permute_rows<W, IDX>          rows along one dim: threads walk a row tile of TY rows by
+//   permute_rows<W, IDX[, UN]>    rows along one dim: threads walk a row tile of TY rows by
 //                                 TX * U words (U words a thread in flight), the other dims'
 //                                 offsets decomposed once a row. A copy when the dim is
 //                                 contiguous on both sides (W: a vector of elements, 16 bytes
@@ -41,10 +41,11 @@
 namespace cukern {
 
 // permute_rows: rows along one dim, a copy or the general strided kernel (PermuteRowsArgs).
-template <typename W, typename IDX>
+// UN: words a thread (0: perm::rows_unroll; 1 for small arrays, spread over more threads).
+template <typename W, typename IDX, int UN = 0>
 __global__ void __launch_bounds__(perm::kThreads)
     permute_rows(const W* __restrict__ x, W* __restrict__ y, const PermuteRowsArgs a) {
-  constexpr int U = perm::rows_unroll(sizeof(W));
+  constexpr int U = UN > 0 ? UN : perm::rows_unroll(sizeof(W));
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int TX = blockDim.x, TY = blockDim.y;
   const IDX len = IDX(a.len), rows = IDX(a.rows), tiles = IDX(a.tiles), segs = IDX(a.segs);

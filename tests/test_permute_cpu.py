@@ -354,7 +354,9 @@ def test_reachable_covers_planner_output():
     # elements (loads of 4, 8, 16 bytes, 16-byte stores); the skewed columns of 1- and 2-byte
     # elements (16-byte words, D = 0, 1, 4); every tile kernel again with phase 1 by
     # cp.async; 32- and 64-bit
-    assert len(reach) == 2 * (5 + 2 * (25 + 16 + 9 + 4 + 1 + 9 + 9 + 9 + 6))
+    # rows kernels again with the small arrays' unroll (SMALL_UNROLLS)
+    assert len(reach) == 2 * (5 * (1 + len(pp.SMALL_UNROLLS)) +
+                              2 * (25 + 16 + 9 + 4 + 1 + 9 + 9 + 9 + 6))
     names = fam.kernel_names("permute")("float16")
     assert names == {fam._name(t) for t in reach}
     rnd = random.Random(7)
@@ -616,7 +618,7 @@ def test_registry_entry():
     assert spec.reference is reference.permute and spec.fn is cukern.permute
     assert spec.signature is fam.name_expression
     names = registry.kernel_names(["permute"], ["float32", "int8"], H100)
-    assert set(names) == {"permute"} and len(names["permute"]) == 362
+    assert set(names) == {"permute"} and len(names["permute"]) == 372
     assert registry.get("permute").cli_name == "permute"
 
 
@@ -709,7 +711,7 @@ def test_h200_copies_flat_tiles_by_cp_async():
 
 @pytest.mark.parametrize("shape,itemsize,flat200", [
     ((256, 1024, 14, 14), 4, True),   # rows of 196 = 4 (mod 8) float32: held whole
-    ((8, 64, 10, 10), 4, True),       # 100
+    ((64, 64, 10, 10), 4, True),      # 100 (1.6 MB: past perm_small_flat_max_bytes)
     ((64, 512, 28, 28), 4, False),    # 784 float32: 3136 bytes, past perm_flat_max_bytes
     ((64, 256, 16, 16), 4, False),    # 256 = 0 (mod 8): whole row tiles
     ((64, 512, 28, 28), 2, False),    # 16-bit rows of 784: row tiles (pitch 0 mod 8 held whole)
@@ -724,3 +726,50 @@ def test_h200_holds_float32_rows_of_4_mod_8_whole(shape, itemsize, flat200):
         hw = shape[2] * shape[3]
         assert p.tile[0] == p.pitch == hw and p.async_copy and p.vec_in == 4
 
+
+
+def test_h200_small_arrays_take_the_general_kernel_in_narrow_blocks():
+    """The H200's table (perm_small_max_bytes 128 KB, perm_small_flat_max_bytes 1 MB): arrays
+    up to 128 KB, and up to 1 MB where the tile would have a flat side or none fits, run the
+    general kernel, perm_small_unroll (4) elements a thread in blocks of 32-256 threads sized
+    so every SM gets one; the H100 keeps its tiles; copies stay copies; row tiles past 128 KB
+    stay tiles."""
+    h200 = DeviceSpec.h200()
+    t = pp.tuning_for(h200)
+    assert (t.perm_small_max_bytes, t.perm_small_flat_max_bytes, t.perm_small_unroll) == \
+        (131072, 1048576, 4)
+    assert (HOPPER.perm_small_max_bytes, HOPPER.perm_small_flat_max_bytes) == (0, 0)
+    reach = set(pp.reachable_steps())
+    for shape, axes, item, small in (
+            ((8192, 3), (1, 0), 2, True), ((3, 8192), (1, 0), 4, True),
+            ((2, 64, 7, 7), NHWC, 1, True), ((256, 256), (1, 0), 2, True),
+            ((65536, 3), (1, 0), 2, True),          # 384 KB, C = 3: a flat side
+            ((8, 14, 14, 64), (0, 3, 1, 2), 2, True),  # 196 KB, a flat output run of 196
+            ((8, 14, 14, 64), (0, 3, 1, 2), 4, False),  # 392 KB of float32 row tiles
+            ((512, 512), (1, 0), 1, False),         # 256 KB of row tiles
+            ((256, 256), (1, 0), 4, False),         # 256 KB of row tiles
+            ((64, 64, 10, 10), NHWC, 4, False),     # 1.6 MB
+            ((3, 5, 7), (0, 1, 2), 2, False)):      # a copy
+        p, q = plan(shape, axes, item, h200), plan(shape, axes, item)
+        assert q.kind != "general" or math.prod(shape) * item < 512, str(q)
+        if not small:
+            assert p.kind == q.kind and "small array" not in str(p), str(p)
+            continue
+        assert p.kind == "general" and p.targs[3] == 4 and p.targs in reach, str(p)
+        threads = p.block[0] * p.block[1]
+        assert threads in (32, 64, 128, 256) and p.grid == p.tiles, str(p)
+        words = math.prod(shape) * item // p.elem
+        assert p.tiles >= h200.sms or threads == 32, str(p)  # every SM a block where it can
+        assert threads == 32 or -(-words // 4) // threads >= h200.sms, str(p)
+        assert "small array" in str(p) and "blocks of" in str(p)
+    # random small arrays: the kernels the planner makes are reachable
+    rnd = random.Random(11)
+    for _ in range(300):
+        nd = rnd.randint(1, 5)
+        shape = tuple(rnd.choice((1, 2, 3, 7, 16, 49, 64)) for _ in range(nd))
+        axes = list(range(nd))
+        rnd.shuffle(axes)
+        p = plan(shape, axes, rnd.choice(pp.WORDS), h200, in_align=rnd.choice((1, 4, 16)))
+        assert p.targs in reach and p.kernel == fam._name(p.targs)
+    with pytest.raises(ValueError, match="perm_small_unroll 3"):
+        plan((64, 3), (1, 0), 2, tuning=dataclasses.replace(t, perm_small_unroll=3))

@@ -154,12 +154,15 @@ def clear_launches() -> None:
 
 
 def plan_with(monkeypatch, **fields) -> None:
-    """Plan every permute of the test with the tuning's ``fields`` replaced (the launch caches
-    emptied; empty them again after the test: :func:`clear_launches`)."""
+    """Plan every permute of the test with the tuning's ``fields`` replaced, and without the
+    small arrays' general kernel unless ``fields`` set perm_small_* (the tests of tile
+    features use small arrays); the launch caches emptied (empty them again after the test:
+    :func:`clear_launches`)."""
     import dataclasses
 
     from cukern.plan import permute as pp
 
+    fields = dict(perm_small_max_bytes=0, perm_small_flat_max_bytes=0) | fields
     real = pp.tuning_for
     monkeypatch.setattr(pp, "tuning_for",
                         lambda device: dataclasses.replace(real(device), **fields))
@@ -373,6 +376,41 @@ def test_async_copy(case, dtype, looping, rng, monkeypatch):
         # misaligned pointers: words of fewer elements, partial words at the runs' ends
         xh, xd, want, o, obuf = put_misaligned(rng, shape, axes, dtype, 1, 3)
         check_misaligned(xd, axes, want, o, obuf, 3, "async copy")
+    finally:
+        clear_launches()
+
+
+SMALL_CASES = [((8192, 3), (1, 0)), ((3, 8192), (1, 0)), ((2, 64, 7, 7), (0, 2, 3, 1)),
+               ((2, 7, 7, 64), (0, 3, 1, 2)), ((33, 65), (1, 0)), ((3, 5, 7, 9), (3, 1, 0, 2)),
+               ((2, 3, 1, 2, 3, 2, 1, 3), (7, 0, 5, 2, 3, 6, 1, 4)), ((1, 4097), (1, 0)),
+               ((7, 9, 5), (1, 0, 2))]
+
+
+@pytest.mark.parametrize("dtype", SIZE_DTYPES)
+@pytest.mark.parametrize("case", SMALL_CASES, ids=[_id(c) for c in SMALL_CASES])
+def test_small_arrays_general_kernel(case, dtype, rng, monkeypatch):
+    """Small arrays in the general kernel, perm_small_unroll elements a thread in narrow blocks
+    (perm_small_max_bytes; the H200's table takes it up to 128 KB): fresh outputs and out=,
+    misaligned pointers, a view with negative steps, bit for bit."""
+    from cukern.ops import permute as ops
+    from cukern.plan import permute as pp
+
+    plan_with(monkeypatch, perm_small_max_bytes=2**30, perm_small_flat_max_bytes=2**30)
+    try:
+        shape, axes = case
+        xh, xd = put(rng, shape, dtype)
+        p = ops.plan_for(xd, axes)
+        identity = list(axes) == sorted(axes) or math.prod(shape) <= 1
+        if not (identity or p.kind == "copy"):
+            assert p.kind == "general" and p.targs[3] == pp.SMALL_UNROLLS[0], str(p)
+            assert p.block[0] * p.block[1] in (32, 64, 128, 256), str(p)
+        check(xd, xh, axes)
+        xh, xd, want, o, obuf = put_misaligned(rng, shape, axes, dtype, 1, 3)
+        check_misaligned(xd, axes, want, o, obuf, 3, "small general")
+        base_h, base_d = put(rng, tuple(2 * s for s in shape), dtype)
+        sl = tuple(slice(None, None, -2) for _ in shape)
+        check(base_d[sl], base_h[sl], axes)
+        assert_bits(base_d, base_h, "the input after the call")
     finally:
         clear_launches()
 

@@ -3,7 +3,8 @@ materialised, moved as unsigned words by element size (the dtype does not matter
 
 Kernel signatures (shapes, strides, tiles and grids come with the launch, in one struct)::
 
-    permute_rows<W, IDX>(const W* x, W* y, PermuteRowsArgs)          W: 1..16-byte word
+    permute_rows<W, IDX[, UN]>(const W* x, W* y, PermuteRowsArgs)    W: 1..16-byte word; UN:
+                                                   words a thread where not the default
     permute_tile<T, VI, VO, IDX[, REGS[, FO[, SK]]]>(const T* x, T* y, PermuteTileArgs)
                                                    T: 1..16-byte element; REGS (true) for
                                                    the register phase 2 of 1- and 2-byte ones,
@@ -59,8 +60,9 @@ TILE_ARGS = np.dtype([("batch", BATCH), ("in_base", np.int64), ("out_base", np.i
 
 def _name(targs: tuple) -> str:
     if targs[0] == "rows":
-        _, word, index = targs
-        return f"cukern::permute_rows<{WORD_TYPES[word]}, {_INDEX[index]}>"
+        _, word, index, unroll = targs
+        un = f", {unroll}" if unroll else ""
+        return f"cukern::permute_rows<{WORD_TYPES[word]}, {_INDEX[index]}{un}>"
     _, elem, vi, vo, index, regs, fo, sk, asy = targs
     # REGS, FO, SK and ASYNC default to false, 0, -1 and false: the names stay as they were
     if asy:

@@ -69,7 +69,8 @@ __all__ = ["Dim", "Simplified", "PermutePlan", "MAX_DIMS", "WORDS", "KINDS", "ch
            "normalize_axes", "c_strides", "output_dims", "simplify", "fold_inner", "merge",
            "vector_width",
            "tile_shape", "byte_regs", "flat_regs", "index_bits", "fast_div", "plan_permute",
-           "reachable_steps", "rows_unroll", "TILE_UNROLL", "REGS_SIZES", "FLAT_SIZES",
+           "reachable_steps", "rows_unroll", "small_threads", "TILE_UNROLL", "REGS_SIZES",
+           "FLAT_SIZES",
            "FLAT_RUN", "SKEW_SIZES", "SKEWS", "skew_run", "skew_regs", "async_copy",
            "ASYNC_SIZES", "tile_panel"]
 
@@ -80,6 +81,9 @@ MAX_THREADS = 256  # kernels/permute_parts.cuh: perm::kThreads (__launch_bounds_
 INDEX_LIMIT = 2**31 - 2**20
 MAX_TILES = 2**31 - 2**20  # the tile kernel's tile index is 32-bit (perm::fdiv)
 ASYNC_SIZES = WORDS  # element sizes permute_tile's ASYNC phase 1 takes (every one)
+
+
+SMALL_UNROLLS = (4,)  # unrolls the rows kernel takes besides its default (perm_small_unroll)
 
 
 def rows_unroll(word: int) -> int:
@@ -261,6 +265,9 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
         if not set(getattr(tuning, name)) <= set(sizes):
             raise ValueError(f"plan: {name} {getattr(tuning, name)}: {what} takes element "
                              f"sizes {sizes}")
+    if tuning.perm_small_unroll not in (0,) + SMALL_UNROLLS:
+        raise ValueError(f"plan: perm_small_unroll {tuning.perm_small_unroll}: the rows kernel "
+                         f"takes 0 (its default) or {SMALL_UNROLLS}")
     words = tuning.perm_skew_words
     if len(words) != len(SKEW_SIZES) or not set(words) <= {1, 2, 4, 8, 16}:
         raise ValueError(f"plan: perm_skew_words {words}: one of 1, 2, 4, 8, 16 for each "
@@ -281,6 +288,18 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
                 notes.append("the tile would be under perm_tile_min_bytes: general kernel")
         if plan is None:
             plan = _rows_plan("general", dims, elem, ia, oa, in_base, out_base, device, tuning)
+        nbytes = simple.numel * itemsize
+        flat = plan.kind == "general" or plan.flat_in or plan.flat_out
+        if nbytes <= tuning.perm_small_max_bytes or \
+                (flat and nbytes <= tuning.perm_small_flat_max_bytes):
+            unroll = tuning.perm_small_unroll
+            narrow = small_threads(simple.numel * itemsize // elem,
+                                   unroll or rows_unroll(elem), device, tuning)
+            plan = _rows_plan("general", dims, elem, ia, oa, in_base, out_base, device, tuning,
+                              threads=narrow, unroll=unroll)
+            notes.append(f"a small array ({nbytes} bytes): the general kernel, {unroll} elements "
+                         f"a thread in blocks of {narrow}, spread over the SMs "
+                         f"(perm_small_max_bytes)")
     if plan.kind == "general" and last.out_stride != 1:
         notes.append("the output has no dim of stride 1: strided stores")
     if plan.vec_in * plan.elem < 16 and plan.kind != "general" and elem < 16:
@@ -305,8 +324,20 @@ def _grid(tiles: int, threads: int, smem: int, device: DeviceSpec, tuning: Tunin
     return max(1, min(tiles, resident * tuning.perm_waves))
 
 
+def small_threads(words: int, unroll: int, device: DeviceSpec, tuning: Tuning) -> int:
+    """Threads a general-kernel block for a small array of ``words`` elements, ``unroll`` a
+    thread: the widest power of two from 32 up to perm_threads that still gives every SM a
+    block."""
+    per_sm = -(-words // unroll) // device.sms
+    threads = 32
+    while threads * 2 <= min(per_sm, tuning.perm_threads):
+        threads *= 2
+    return threads
+
+
 def _rows_plan(kind: str, dims, elem: int, ia: int, oa: int, in_base: int, out_base: int,
-               device: DeviceSpec, tuning: Tuning) -> PermutePlan:
+               device: DeviceSpec, tuning: Tuning, threads: int = 0,
+               unroll: int = 0) -> PermutePlan:
     walk, batch = dims[-1], tuple(dims[:-1])
     v, tail = 1, 0
     if kind == "copy":
@@ -321,8 +352,8 @@ def _rows_plan(kind: str, dims, elem: int, ia: int, oa: int, in_base: int, out_b
         batch = tuple(Dim(b.size, b.in_stride // v, b.out_stride // v) for b in batch)
         in_base, out_base = in_base // v, out_base // v
     word = v * elem
-    u = rows_unroll(word)
-    threads = tuning.perm_threads
+    u = unroll or rows_unroll(word)
+    threads = threads or tuning.perm_threads
     tx = min(threads, p2ceil(-(-walk.size // u)))
     ty = threads // tx
     segs = max(1, -(-walk.size // (tx * u)))
@@ -333,7 +364,7 @@ def _rows_plan(kind: str, dims, elem: int, ia: int, oa: int, in_base: int, out_b
     if tiles + grid >= 2**63:
         raise ValueError("plan: too many row tiles")
     return PermutePlan(kind, elem, (), tuple(dims), elem, word, v, v, batch, in_base, out_base,
-                       (tx, ty), grid, tiles, index, ("rows", word, index), walk=walk,
+                       (tx, ty), grid, tiles, index, ("rows", word, index, unroll), walk=walk,
                        segs=segs, tail=tail)
 
 
@@ -389,7 +420,7 @@ def reachable_steps() -> list[tuple]:
     (ASYNC_SIZES)."""
     out: list[tuple] = []
     for index in (32, 64):
-        out += [("rows", w, index) for w in WORDS]
+        out += [("rows", w, index, u) for w in WORDS for u in (0,) + SMALL_UNROLLS]
         for e in WORDS:
             vs = [v for v in WORDS if v * e <= 16]
             out += [("tile", e, vi, vo, index, False, 0, -1, False) for vi in vs for vo in vs]

@@ -222,6 +222,15 @@ class Tuning:
     perm_tile_max_extent: int = 4096
     # a tile under this many bytes runs the general kernel instead (2 x 2 transposes)
     perm_tile_min_bytes: int = 512
+    # arrays of at most this many bytes that are not a plain copy run the general kernel in
+    # blocks narrow enough (32 threads and up) to spread over every SM (0: never): a few tiles
+    # of 256 threads leave most SMs idle. The H200's in its table below
+    perm_small_max_bytes: int = 0
+    # ... and up to this many where the tile would have a flat side (C = 3, 7x7 and 14x14
+    # planes) or no tile fits (0: never)
+    perm_small_flat_max_bytes: int = 0
+    # ... each thread moving this many elements (plan.permute.SMALL_UNROLLS)
+    perm_small_unroll: int = 4
     # a short dim (at most this many bytes) whose tile rows join into one run of memory is
     # held whole and moved as that flat run (HW = 49, 196; C = 3): at least 16 rows beside it
     perm_flat_max_bytes: int = 2048
@@ -318,14 +327,19 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # c28a9f2): float32 layer norm 83.5 -> 92.1 (1024 columns), 81.5 -> 91.3 (2048); forced ways of
 # a pack a thread 58-94 against 85-100 at two. two_packs_max_packs 32 (forward warp shapes
 # forced, H200): layer norm float16 128 columns 86.7 -> 94.7 (8 lanes of 2 packs), 256 85.4 ->
-# 94.7 (16 of 2); RMS norm float16 and both ops in float32 within -0.6..+0.9
+# 94.7 (16 of 2); RMS norm float16 and both ops in float32 within -0.6..+0.9. perm_small_*
+# (kernel us, the planned tile against the general kernel of 4 elements a thread in narrow
+# blocks): (8192, 3) float16 3.17 -> 2.33, (1024, 3) int8 3.23 -> 2.45, (65536, 3) float16 3.27
+# -> 2.73, (8, 14, 14, 64) NHWC->NCHW float32 4.04 -> 3.30; row tiles of 256 KB and more stay
+# faster as tiles ((512, 512) int8 3.27 against 4.10)
 _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_per_sm": 2,
                     "bn_cols_grad_waves": 1, "perm_panel_tiles": 1,
                     "perm_async_copy": (1, 2, 4, 8, 16), "perm_flat_rows4": (4,),
                     "norm_bwd_narrow": (("layer_norm_backward", ("r2g",), 1024),
                                         ("rms_norm_backward", ("s2g", "r2g"), 2048)),
                     "norm_bwd_regs_min_cols_32bit": 32768, "norm_bwd_min_packs_32bit": 2,
-                    "two_packs_max_packs": 32}}
+                    "two_packs_max_packs": 32, "perm_small_max_bytes": 131072,
+                    "perm_small_flat_max_bytes": 1048576}}
 _MODEL_ARCH = {"H200": (9, 0)}  # the architecture (table) each model's changes apply to
 
 
