@@ -851,6 +851,7 @@ def test_h200_columns_grid_takes_one_wave_up_to_16_packs_a_thread(shape, dtype, 
                                norm_bwd_narrow=h100.norm_bwd_narrow,
                                norm_bwd_regs_min_cols_32bit=0,
                                norm_bwd_min_packs_32bit=1, two_packs_max_packs=8,
+                               warp_four_packs=(),
                                perm_small_max_bytes=0, perm_small_flat_max_bytes=0) == h100
     for op, kw in (("batch_norm", {"training": False}), ("batch_norm_backward", {})):
         one_wave = h200.sms * t.bn_apply_blocks_per_sm_cols

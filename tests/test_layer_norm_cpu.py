@@ -112,16 +112,21 @@ def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_h200_two_packs_a_lane(op):
     """The H200's table (Tuning.two_packs_max_packs 32): forward warp rows of 3 up to 32 full
-    16-byte packs take two packs of one row a lane (the H100: up to 8); with a residual, and in
-    smaller packs, OneFlow's shape on both; the reachable set of the architecture has both."""
+    16-byte packs take two packs of one row a lane (the H100: up to 8), 16-bit layer norm rows
+    of more than 8 four (Tuning.warp_four_packs); with a residual, and in smaller packs,
+    OneFlow's shape on both; the reachable set of the architecture has both."""
     assert planner.tuning_for(H200).two_packs_max_packs == 32
     assert planner.tuning_for(H100).two_packs_max_packs == 8
-    for cols, dtype, h200, h100 in ((128, "float16", (8, 16, 1, False), (16, 8, 2, False)),
-                                    (200, "bfloat16", (16, 16, 1, True), (32, 8, 2, True)),
-                                    (256, "float16", (16, 16, 1, False), (32, 8, 2, False)),
-                                    (128, "float32", (16, 8, 1, False), (32, 4, 2, False)),
-                                    (64, "float16", (4, 16, 1, False), (4, 16, 1, False)),
-                                    (512, "float16", (32, 16, 1, False), (32, 16, 1, False))):
+    assert planner.tuning_for(H200).warp_four_packs == (("layer_norm", 2),)
+    assert planner.tuning_for(H100).warp_four_packs == ()
+    four = op == "layer_norm"
+    for cols, dtype, h200, h100 in (
+            (128, "float16", (4, 32, 1, False) if four else (8, 16, 1, False), (16, 8, 2, False)),
+            (200, "bfloat16", (8, 32, 1, True) if four else (16, 16, 1, True), (32, 8, 2, True)),
+            (256, "float16", (8, 32, 1, False) if four else (16, 16, 1, False), (32, 8, 2, False)),
+            (128, "float32", (16, 8, 1, False), (32, 4, 2, False)),
+            (64, "float16", (4, 16, 1, False), (4, 16, 1, False)),
+            (512, "float16", (32, 16, 1, False), (32, 16, 1, False))):
         for device, want in ((H200, h200), (H100, h100)):
             p = plan_rowwise(op, 2 * LONG, cols, dtype, device, switches=Switches(weight=True))
             assert (p.thread_group_width, p.cols_per_thread, p.rows_per_access,

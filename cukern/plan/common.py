@@ -209,19 +209,20 @@ def pack_size(dtype: str, cols: int, align_elems: int, strided: bool) -> int:
     return p
 
 
-def warp_shape(cols: int, pack: int, rows: int,
-               two_packs: int = 0) -> tuple[int, int, int, bool]:
+def warp_shape(cols: int, pack: int, rows: int, two_packs: int = 0,
+               four_packs: bool = False) -> tuple[int, int, int, bool]:
     """(thread_group_width, cols_per_thread, rows_per_access, padding) for the warp kernel.
     Small rows: the narrowest group that holds them, a pack a lane, two rows a group for an
     even row count (OneFlow). Longer rows: 32 lanes and a power-of-two number of packs a lane
     (the kernels guard every pack, so one instantiation serves every width up to it).
     ``two_packs``: rows of 3 up to that many packs take two packs of one row a lane instead
-    (0: none)."""
+    (0: none); ``four_packs``: of them, rows of more than 8 packs take four."""
     if two_packs and 2 * pack < cols <= two_packs * pack:
+        k = 4 if four_packs and cols > 8 * pack else 2
         width = 1
-        while width * 2 * pack < cols:
+        while width * k * pack < cols:
             width *= 2
-        return width, 2 * pack, 1, cols != 2 * pack * width
+        return width, k * pack, 1, cols != k * pack * width
     if cols <= 32 * pack:
         width = 1
         while width * pack < cols:

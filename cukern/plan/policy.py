@@ -31,6 +31,9 @@ class Tuning:
     # take two packs of one row a lane: layer norm float16 64 columns 95.0 -> 96.4% of copy;
     # from 16 packs (groups of 8 lanes) 0.4-0.6 slower (H100). The H200's in its table below
     two_packs_max_packs: int = 8
+    # ... (op, element bytes) whose such rows of more than 8 packs take four packs a lane
+    # instead of two. The H200's in its table below
+    warp_four_packs: tuple[tuple[str, int], ...] = ()
     # block widths tried, widest first, against the 128-thread occupancy (OneFlow)
     block_sizes: tuple[int, ...] = (1024, 512, 256)
     uncached_block: int = 1024
@@ -338,7 +341,8 @@ _MODELS = {"H200": {"bn_apply_cols_few_packs_16bit": 16, "bn_cols_stats_blocks_p
                     "norm_bwd_narrow": (("layer_norm_backward", ("r2g",), 1024),
                                         ("rms_norm_backward", ("s2g", "r2g"), 2048)),
                     "norm_bwd_regs_min_cols_32bit": 32768, "norm_bwd_min_packs_32bit": 2,
-                    "two_packs_max_packs": 32, "perm_small_max_bytes": 131072,
+                    "two_packs_max_packs": 32, "warp_four_packs": (("layer_norm", 2),),
+                    "perm_small_max_bytes": 131072,
                     "perm_small_flat_max_bytes": 1048576}}
 _MODEL_ARCH = {"H200": (9, 0)}  # the architecture (table) each model's changes apply to
 

@@ -184,7 +184,8 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
 
 def _plan_warp(pol, base, rows, cols, pack, item, sums, device, occ, tune: Tuning) -> Plan:
     width, cpt, rpa, padding = warp_shape(
-        cols, pack, rows, two_packs=_two_packs(pol, base["switches"], pack * item, tune))
+        cols, pack, rows, two_packs=_two_packs(pol, base["switches"], pack * item, tune),
+        four_packs=(pol.op, item) in tune.warp_four_packs)
     block = (width, tune.warp_block_threads // width)
     resident = device.sms * (device.max_threads_per_sm // tune.warp_block_threads)
     if rpa == 2 and -(-rows // block[1]) <= tune.short_grid_waves * resident:
@@ -357,10 +358,12 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
             names.add(Plan(variant=variant, block=(threads, 1), smem_bytes=0, **shape, **kw,
                            **base).name_expression())
 
-        # two packs a lane as far as any GPU model of the architecture takes them
-        limits = {_two_packs(pol, sw, pack * item, t) for t in arch_tunings(device)}
-        shapes = {warp_shape(cols, pack, rows, two_packs=n) for cols, rows, n in
-                  itertools.product(range(pack, tune.warp_max_cols + 1, pack), (1, 2), limits)}
+        # two (or four) packs a lane as far as any GPU model of the architecture takes them
+        lanes = {(_two_packs(pol, sw, pack * item, t), (pol.op, item) in t.warp_four_packs)
+                 for t in arch_tunings(device)}
+        shapes = {warp_shape(cols, pack, rows, two_packs=n, four_packs=f)
+                  for cols, rows, (n, f) in itertools.product(
+                      range(pack, tune.warp_max_cols + 1, pack), (1, 2), lanes)}
         for width, cpt, rpa, padding in shapes:  # each distinct shape once
             add(Variant.WARP, width, cols_per_thread=cpt, thread_group_width=width,
                 rows_per_access=rpa, padding=padding)
