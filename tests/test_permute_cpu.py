@@ -546,7 +546,10 @@ def test_every_reachable_instantiation_compiles(arch):
     names = registry.kernel_names(["permute"], ["int8"], device)["permute"]
     missing = [n for n in names if not lowered.get(n)]
     assert not missing, missing[:3]
-    assert len(names) == 362 and sum(n.endswith(", true>") for n in names) == 36 + 176
+    assert len(names) == 372 and sum(n.endswith(", true>") for n in names) == 36 + 176
+    # the rows kernel of small arrays (SMALL_UNROLLS): every word size, 32- and 64-bit
+    assert sum(bool(re.search(r"permute_rows<[^,]+, (int|long long), 4>$", n))
+               for n in names) == 10
     assert sum(bool(re.search(r", (int|long long), true>$", n)) for n in names) == 36
     assert sum(bool(re.search(r", (true|false), \d, -?\d, true>$", n)) for n in names) == 176
     assert sum(n.endswith(", false, 3>") for n in names) == 18
