@@ -330,7 +330,9 @@ _TABLES = {(9, 0): HOPPER, (8, 0): AMPERE, (7, 5): TURING, (7, 0): VOLTA}
 # c28a9f2): float32 layer norm 83.5 -> 92.1 (1024 columns), 81.5 -> 91.3 (2048); forced ways of
 # a pack a thread 58-94 against 85-100 at two. two_packs_max_packs 32 (forward warp shapes
 # forced, H200): layer norm float16 128 columns 86.7 -> 94.7 (8 lanes of 2 packs), 256 85.4 ->
-# 94.7 (16 of 2); RMS norm float16 and both ops in float32 within -0.6..+0.9. perm_small_*
+# 94.7 (16 of 2); RMS norm float16 and both ops in float32 within -0.6..+0.9. warp_four_packs
+# (A/B against two packs): layer norm bfloat16 128 columns 93.1 -> 98.3, 256 92.9 -> 95.5,
+# float16 95.5 -> 97.4 and 96.2 -> 95.3. perm_small_*
 # (kernel us, the planned tile against the general kernel of 4 elements a thread in narrow
 # blocks): (8192, 3) float16 3.17 -> 2.33, (1024, 3) int8 3.23 -> 2.45, (65536, 3) float16 3.27
 # -> 2.73, (8, 14, 14, 64) NHWC->NCHW float32 4.04 -> 3.30; row tiles of 256 KB and more stay
