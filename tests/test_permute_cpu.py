@@ -765,6 +765,9 @@ def test_h200_small_arrays_take_the_general_kernel_in_narrow_blocks():
         assert p.tiles >= h200.sms or threads == 32, str(p)  # every SM a block where it can
         assert threads == 32 or -(-words // 4) // threads >= h200.sms, str(p)
         assert "small array" in str(p) and "blocks of" in str(p)
+        limit = "perm_small_max_bytes" if math.prod(shape) * item <= 131072 else \
+            "perm_small_flat_max_bytes"
+        assert f"({limit})" in str(p), str(p)
     # random small arrays: the kernels the planner makes are reachable
     rnd = random.Random(11)
     for _ in range(300):

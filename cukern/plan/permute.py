@@ -290,16 +290,17 @@ def plan_permute(simple: Simplified, itemsize: int, device: DeviceSpec | None = 
             plan = _rows_plan("general", dims, elem, ia, oa, in_base, out_base, device, tuning)
         nbytes = simple.numel * itemsize
         flat = plan.kind == "general" or plan.flat_in or plan.flat_out
-        if nbytes <= tuning.perm_small_max_bytes or \
-                (flat and nbytes <= tuning.perm_small_flat_max_bytes):
+        limit = "perm_small_max_bytes" if nbytes <= tuning.perm_small_max_bytes else \
+            "perm_small_flat_max_bytes" if flat and nbytes <= tuning.perm_small_flat_max_bytes \
+            else ""
+        if limit:
             unroll = tuning.perm_small_unroll
             narrow = small_threads(simple.numel * itemsize // elem,
                                    unroll or rows_unroll(elem), device, tuning)
             plan = _rows_plan("general", dims, elem, ia, oa, in_base, out_base, device, tuning,
                               threads=narrow, unroll=unroll)
             notes.append(f"a small array ({nbytes} bytes): the general kernel, {unroll} elements "
-                         f"a thread in blocks of {narrow}, spread over the SMs "
-                         f"(perm_small_max_bytes)")
+                         f"a thread in blocks of {narrow}, spread over the SMs ({limit})")
     if plan.kind == "general" and last.out_stride != 1:
         notes.append("the output has no dim of stride 1: strided stores")
     if plan.vec_in * plan.elem < 16 and plan.kind != "general" and elem < 16:
