@@ -373,10 +373,18 @@ def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers
              *, strided: bool = False, switches: _plan.Switches | None = None) -> _plan.Plan:
     """The plan of ``op`` for a (rows, cols) view on a live device: its arrays' pointers and
     row strides (elements) set the vector width, and the driver answers occupancy."""
-    align = align_elems(_plan.ITEMSIZE[dtype], pointers, row_strides if rows > 1 else [])
+    item = _plan.ITEMSIZE[dtype]
+    strides = row_strides if rows > 1 else []
+    align = align_elems(item, pointers, strides)
     return _plan.plan_rowwise(op, rows, cols, dtype, device_spec(device_id),
                               driver_occupancy(device_id), align_elems=align, strided=strided,
-                              switches=switches)
+                              switches=switches, shift_ok=same_offsets(item, pointers, strides))
+
+
+def same_offsets(item: int, pointers, strides) -> bool:
+    """Every row of every array starts at the same offset within its 16-byte word: pointers
+    congruent modulo 16 bytes, row strides (elements) modulo 16 bytes."""
+    return len({p % 16 for p in pointers}) <= 1 and len({s * item % 16 for s in strides}) <= 1
 
 
 def pointer_bits(arrays) -> int:

@@ -34,16 +34,58 @@ template <bool STRIDED> struct Layout {
   }
 };
 
+// Rows off the 16-byte grid (SHIFT: contiguous rows whose length or start is not a multiple of
+// 16 bytes, every array's rows starting at the same offset within their 16-byte words): a row
+// is read and written in whole 16-byte packs of memory, its own elements at [lo, hi) of them
+// (lo: its first element's place in its word). The packs' other elements belong to the
+// neighbouring rows: loads put `fill` (the reduction's identity) in their place, stores leave
+// them alone. A 16-byte-aligned word holding one element of an array lies in the same memory
+// page, so reading it whole is safe; a pack wholly past the row (hi) is read as its last one.
+template <typename T, bool SHIFT> struct RowWindow {};
+template <typename T> struct RowWindow<T, true> {
+  int lo, hi;
+  T fill;
+  // a pack at column `col` holds elements of other rows (the row's first or last pack)
+  __device__ __forceinline__ bool partial(int col, int n) const { return col < lo || col + n > hi; }
+  __device__ __forceinline__ bool has(int col) const { return col >= lo && col < hi; }
+  // the window of the row that begins at p (a row of hi - lo elements), and p moved back to
+  // the start of its 16-byte word
+  template <typename P> __device__ __forceinline__ RowWindow at_row(P*& p) const {
+    const int off = static_cast<int>(reinterpret_cast<unsigned long long>(p) & 15) /
+                    static_cast<int>(sizeof(T));
+    p -= off;
+    return RowWindow{off, off + hi - lo, fill};
+  }
+};
+
+// The packs a row takes: cols / N, or with SHIFT the most a row of cols elements covers on the
+// 16-byte grid (its first one at any offset).
+template <int N, bool SHIFT> __host__ __device__ constexpr int row_packs(int cols) {
+  return SHIFT ? (cols + 2 * N - 2) / N : cols / N;
+}
+
 // Reads N consecutive columns of one row and converts them to the compute type; `raw` reads
-// them in the storage type.
-template <typename T, typename C, bool STRIDED> struct Load {
+// them in the storage type. SHIFT: columns count from the row's 16-byte word (win), and the
+// view must come from from_row.
+template <typename T, typename C, bool STRIDED, bool SHIFT = false> struct Load {
   const T* ptr;
   Layout<STRIDED> at;
+  RowWindow<T, SHIFT> win;
   template <int N> __device__ __forceinline__ Pack<T, N> raw(i64 row, int col) const {
     Pack<T, N> pack;
     if (STRIDED) {
 #pragma unroll
       for (int i = 0; i < N; ++i) pack.elem[i] = ptr[at.offset(row, col + i)];
+    } else if constexpr (SHIFT) {
+      const int last = (win.hi - 1) / N * N;
+      pack.word = *reinterpret_cast<const typename Pack<T, N>::word_t*>(
+          ptr + at.offset(row, col < last ? col : last));
+      if (win.partial(col, N)) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          if (!win.has(col + i)) pack.elem[i] = win.fill;
+        }
+      }
     } else {
       pack.word = *reinterpret_cast<const typename Pack<T, N>::word_t*>(ptr + at.offset(row, col));
     }
@@ -57,19 +99,36 @@ template <typename T, typename C, bool STRIDED> struct Load {
   // The view from row `row` on (its row 0), for a loop over one row's columns: the row's offset
   // (a 64-bit division when STRIDED) computed once, not under each pack's guard.
   __device__ __forceinline__ Load from_row(i64 row) const {
-    return Load{ptr + at.offset(row, 0), at};
+    const T* p = ptr + at.offset(row, 0);
+    if constexpr (SHIFT) {
+      const RowWindow<T, SHIFT> w = win.at_row(p);
+      return Load{p, at, w};
+    } else {
+      return Load{p, at};
+    }
   }
 };
 
-// Converts N compute values to T and writes them to N consecutive columns of one row.
-template <typename C, typename T, bool STRIDED> struct Store {
+// Converts N compute values to T and writes them to N consecutive columns of one row (SHIFT:
+// as Load).
+template <typename C, typename T, bool STRIDED, bool SHIFT = false> struct Store {
   T* ptr;
   Layout<STRIDED> at;
+  RowWindow<T, SHIFT> win;
   template <int N> __device__ __forceinline__ void store(const C* src, i64 row, int col) const {
     if (STRIDED) {
 #pragma unroll
       for (int i = 0; i < N; ++i) ptr[at.offset(row, col + i)] = Num<T>::from(src[i]);
     } else {
+      if constexpr (SHIFT) {
+        if (win.partial(col, N)) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            if (win.has(col + i)) ptr[at.offset(row, col + i)] = Num<T>::from(src[i]);
+          }
+          return;
+        }
+      }
       T e[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) e[i] = Num<T>::from(src[i]);
@@ -79,7 +138,13 @@ template <typename C, typename T, bool STRIDED> struct Store {
   }
   // As Load::from_row.
   __device__ __forceinline__ Store from_row(i64 row) const {
-    return Store{ptr + at.offset(row, 0), at};
+    T* p = ptr + at.offset(row, 0);
+    if constexpr (SHIFT) {
+      const RowWindow<T, SHIFT> w = win.at_row(p);
+      return Store{p, at, w};
+    } else {
+      return Store{p, at};
+    }
   }
 };
 

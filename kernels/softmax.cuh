@@ -8,6 +8,8 @@
 //   *_block_uncached  one block per row; an online (max, sum) pass, then the row is read again
 //                     from global memory (L2 often still holds it)
 // ALGO: 0 = softmax, 1 = log-softmax. STRIDED: general (outer, col, inner) addressing, PACK == 1.
+// SHIFT: rows off the 16-byte grid in 16-byte packs of memory, each row's end packs masked
+// (memory.cuh, RowWindow): a row's columns count from its first 16-byte word.
 // Only what sizes a register array is a template argument; the group width (blockDim.x of the
 // warp kernel), the block size and padding are read at run time, except a cached block kernel's
 // width where it is compiled in (WIDTH, below).
@@ -71,12 +73,13 @@ template <int NP, typename Body> __device__ __forceinline__ void with_group_widt
 // takes up to 64; these are what the kernels took with it known (16-bit types: 40 for 16-byte
 // packs, 32 for smaller; float: 48 and 40), which keep three blocks of 512 threads (two for float
 // with 16-byte packs) to an SM. Clusters of 16-bit types with 16-byte packs take 48: at 40 the
-// log-softmax spills (docs/notes/kernels.md, "Softmax").
-template <typename T, int PACK, bool CLUSTER> struct CachedRegs {
+// log-softmax spills (docs/notes/kernels.md, "Softmax"); so do shifted rows (SHIFT: each view's
+// row window) at 40, which take 48.
+template <typename T, int PACK, bool CLUSTER, bool SHIFT = false> struct CachedRegs {
   static constexpr bool kWide = PACK * sizeof(T) == 16;
   static constexpr int value = sizeof(T) == 8   ? 64
                                : sizeof(T) == 4 ? (kWide ? 48 : 40)
-                                                : (kWide ? (CLUSTER ? 48 : 40) : 32);
+                                                : (kWide ? (CLUSTER || SHIFT ? 48 : 40) : 32);
   static constexpr bool kHold = value >= 48 && sizeof(T) < 8;  // held row pointers (below)
 };
 
@@ -92,6 +95,28 @@ template <int WIDTH, int REGS> struct WidthRegs {
 
 #define CUKERN_LAYOUT_ARGS(p) i64 p##_outer, i64 p##_inner, i64 p##_col
 #define CUKERN_LAYOUT(p) Layout<STRIDED>{p##_outer, p##_inner, p##_col, inner}
+
+// A kernel's views of its arrays. SHIFT (rows off the 16-byte grid: memory.cuh's RowWindow) has
+// the other rows' elements of a row's end packs read as `fill`: -inf in the forward (the max's
+// and the sum's identity), 0 in the backward (its sum's).
+template <typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ Load<T, C, STRIDED, SHIFT> view_in(const T* p, Layout<STRIDED> at,
+                                                              int cols, C fill) {
+  if constexpr (SHIFT) {
+    return {p, at, {0, cols, Num<T>::from(fill)}};
+  } else {
+    return {p, at};
+  }
+}
+template <typename C, typename T, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ Store<C, T, STRIDED, SHIFT> view_out(T* p, Layout<STRIDED> at,
+                                                                int cols) {
+  if constexpr (SHIFT) {
+    return {p, at, {0, cols, T{}}};
+  } else {
+    return {p, at};
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Addressing in the cached kernels' loops over a row's packs. With the block size a run-time
@@ -111,9 +136,9 @@ template <bool HOLD, typename V> __device__ __forceinline__ V held(V v) {
   }
   return v;
 }
-template <int PACK, bool HOLD, typename T, typename C, bool STRIDED>
-__device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED>& lr, int q) {
-  if constexpr (STRIDED || !HOLD) {
+template <int PACK, bool HOLD, typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED, SHIFT>& lr, int q) {
+  if constexpr (STRIDED || SHIFT || !HOLD) {
     return lr.template raw<PACK>(0, q * PACK);
   } else {
     Pack<T, PACK> v;
@@ -121,9 +146,10 @@ __device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED>& lr, 
     return v;
   }
 }
-template <int PACK, bool HOLD, typename C, typename T, bool STRIDED>
-__device__ __forceinline__ void store_pack(const Store<C, T, STRIDED>& sr, int q, const C* v) {
-  if constexpr (STRIDED || !HOLD) {
+template <int PACK, bool HOLD, typename C, typename T, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ void store_pack(const Store<C, T, STRIDED, SHIFT>& sr, int q,
+                                           const C* v) {
+  if constexpr (STRIDED || SHIFT || !HOLD) {
     sr.template store<PACK>(v, 0, q * PACK);
   } else {
     T e[PACK];
@@ -139,15 +165,16 @@ __device__ __forceinline__ void store_pack(const Store<C, T, STRIDED>& sr, int q
 // group holds packs p at columns (p * width + l) * PACK, so a group's accesses are coalesced.
 // Every pack is guarded (col < cols); slots past the end of the row hold -inf. The row loop is
 // uniform across the block, so every lane reaches every shuffle.
-template <typename T, int ALGO, bool STRIDED, int PACK, int CPT, int RPA>
+template <typename T, int ALGO, bool STRIDED, int PACK, int CPT, int RPA, bool SHIFT = false>
 __global__ void __launch_bounds__(128)
 softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
              CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
   constexpr int NP = CPT / PACK;
-  const Load<T, C, STRIDED> ld{x, CUKERN_LAYOUT(xs)};
-  const Store<C, T, STRIDED> st{y, CUKERN_LAYOUT(ys)};
+  const auto ld = view_in<T, C, STRIDED, SHIFT>(x, CUKERN_LAYOUT(xs), cols, -Math<C>::inf());
+  const auto st = view_out<C, T, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols);
+  const int vcols = SHIFT ? row_packs<PACK, SHIFT>(cols) * PACK : cols;  // on its packs' grid
   // a row of more than one pack a lane takes the whole warp (the planner's rule): a constant
   // width makes each pack's column offset an immediate (fewer registers)
   if (NP > 1 && blockDim.x != 32) __trap();
@@ -171,11 +198,11 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
         Pack<T, PACK> raw[RPA][NP];
 #pragma unroll
         for (int r = 0; r < RPA; ++r) {
-          const Load<T, C, STRIDED> lr = ld.from_row(min(row0 + r, rows - 1));
+          const auto lr = ld.from_row(min(row0 + r, rows - 1));
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK;
-            raw[r][p] = lr.template raw<PACK>(0, col < cols ? col : 0);
+            raw[r][p] = lr.template raw<PACK>(0, col < vcols ? col : 0);
           }
         }
 #pragma unroll
@@ -189,11 +216,11 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
       } else {
 #pragma unroll
         for (int r = 0; r < RPA; ++r) {
-          const Load<T, C, STRIDED> lr = ld.from_row(row0 + r);
+          const auto lr = ld.from_row(row0 + r);
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK;
-            if (row0 + r < rows && col < cols) {
+            if (row0 + r < rows && col < vcols) {
               lr.template load<PACK>(buf[r] + p * PACK, 0, col);
             } else {
 #pragma unroll
@@ -226,7 +253,7 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
               acc += Num<T>::exp(buf[r][i]);
             }
           }
-          s.v[r] = !CLAMPED ? acc : (p * width + lane) * PACK < cols ? s.v[r] + acc : s.v[r];
+          s.v[r] = !CLAMPED ? acc : (p * width + lane) * PACK < vcols ? s.v[r] + acc : s.v[r];
         }
       }
       s = allreduce_row(s, width);
@@ -234,7 +261,7 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
       for (int r = 0; r < RPA; ++r) {
         if (row0 + r >= rows) continue;
         const C rc = row_constant<ALGO>(s.v[r]);
-        store_lane_packs<NP, PACK, C>(st.from_row(row0 + r), 0, width, lane, cols, [&](int j) {
+        store_lane_packs<NP, PACK, C>(st.from_row(row0 + r), 0, width, lane, vcols, [&](int j) {
           return ALGO == kSoftmax ? buf[r][j] * rc : buf[r][j] - rc;
         });
       }
@@ -249,12 +276,12 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
 // read from memory once.
 
 // The online (max, sum) of packs [0, num_packs) of a row, read from global memory.
-template <int PACK, typename T, typename C, bool STRIDED>
-__device__ __forceinline__ MaxSum<C> softmax_scan(const Load<T, C, STRIDED>& ld, i64 row,
+template <int PACK, typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ MaxSum<C> softmax_scan(const Load<T, C, STRIDED, SHIFT>& ld, i64 row,
                                                   int num_packs) {
   constexpr int U = 4;  // packs in flight per thread
   const int stride = blockDim.x;
-  const Load<T, C, STRIDED> lr = ld.from_row(row);
+  const auto lr = ld.from_row(row);
   MaxSum<C> acc = MaxSum<C>::identity();
   int p = threadIdx.x;
   for (; p + (U - 1) * stride < num_packs; p += U * stride) {
@@ -277,20 +304,20 @@ __device__ __forceinline__ MaxSum<C> softmax_scan(const Load<T, C, STRIDED>& ld,
   return acc;
 }
 
-template <typename T, int ALGO, bool STRIDED, int PACK>
+template <typename T, int ALGO, bool STRIDED, int PACK, bool SHIFT = false>
 __global__ void __launch_bounds__(1024)
 softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                        CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
-  const Load<T, C, STRIDED> ld{x, CUKERN_LAYOUT(xs)};
-  const Store<C, T, STRIDED> st{y, CUKERN_LAYOUT(ys)};
-  const int num_packs = cols / PACK;
+  const auto ld = view_in<T, C, STRIDED, SHIFT>(x, CUKERN_LAYOUT(xs), cols, -Math<C>::inf());
+  const auto st = view_out<C, T, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols);
+  const int num_packs = row_packs<PACK, SHIFT>(cols);
   unsigned phase = 0;  // allreduce_block's buffer phase
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const MaxSum<C> ms = allreduce_block(softmax_scan<PACK>(ld, row, num_packs), phase);
     const C rc = row_constant<ALGO>(ms.d);
-    const Load<T, C, STRIDED> lr = ld.from_row(row);
-    const Store<C, T, STRIDED> sr = st.from_row(row);
+    const auto lr = ld.from_row(row);
+    const auto sr = st.from_row(row);
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C v[PACK];
       lr.template load<PACK>(v, 0, p * PACK);
@@ -309,12 +336,12 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
 
 // Pass 1 for one row: its packs [p0, p1) into shared memory; returns this thread's online
 // (max, sum) state.
-template <int PACK, bool HOLD, int WIDTH, typename T, typename C, bool STRIDED>
-__device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
+template <int PACK, bool HOLD, int WIDTH, typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED, SHIFT>& ld,
                                                   Pack<T, PACK>* cache, i64 row, int p0, int p1) {
   constexpr int U = 4;  // packs in flight per thread (the planner: OpPolicy.load_round)
   const int stride = block_width<WIDTH>();
-  const Load<T, C, STRIDED> lr = held<HOLD>(ld.from_row(row));
+  const auto lr = held<HOLD>(ld.from_row(row));
   MaxSum<C> ms = MaxSum<C>::identity();
   // U packs a step, each guarded: a thread with fewer than U packs left still has all of them
   // in flight at once (a plain remainder loop would wait for each in turn).
@@ -344,9 +371,10 @@ __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED>& ld,
 // packs from the slots they then take over, so reads and writes stay in flight together and
 // blocks that started in step do not stay in step.
 template <int ALGO, int PACK, bool HOLD, int WIDTH, typename T, typename C, bool STRIDED,
-          typename Reduce>
-__device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
-                                               const Store<C, T, STRIDED>& st, i64 rows, i64 row,
+          bool SHIFT, typename Reduce>
+__device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED, SHIFT>& ld,
+                                               const Store<C, T, STRIDED, SHIFT>& st, i64 rows,
+                                               i64 row,
                                                i64 row_step, int p0, int p1, Reduce reduce) {
   typedef Pack<T, PACK> P;
   constexpr int U = 4;
@@ -359,8 +387,8 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
     const bool more = next < rows;  // uniform
     ms = reduce(ms, !more);
     const C m = ms.m, rc = row_constant<ALGO>(ms.d);
-    const Load<T, C, STRIDED> ln = held<HOLD>(ld.from_row(next));
-    const Store<C, T, STRIDED> sr = held<HOLD>(st.from_row(row));
+    const auto ln = held<HOLD>(ld.from_row(next));
+    const auto sr = held<HOLD>(st.from_row(row));
     MaxSum<C> ms_next = MaxSum<C>::identity();
     for (int p = p0 + threadIdx.x; p < p1; p += U * stride) {
       P nv[U];
@@ -400,29 +428,30 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED>& ld,
   }
 }
 
-template <typename T, int ALGO, bool STRIDED, int PACK, int WIDTH>
-__global__ void __maxnreg__((WidthRegs<WIDTH, CachedRegs<T, PACK, false>::value>::value))
+template <typename T, int ALGO, bool STRIDED, int PACK, int WIDTH, bool SHIFT = false>
+__global__ void __maxnreg__((WidthRegs<WIDTH, CachedRegs<T, PACK, false, SHIFT>::value>::value))
 softmax_block_smem(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                    CUKERN_LAYOUT_ARGS(ys)) {
   typedef typename Num<T>::compute C;
-  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, false>::kHold, WIDTH>(
-      Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
-      blockIdx.x, gridDim.x, 0, cols / PACK, BlockReduce<true>());
+  softmax_cached<ALGO, PACK, CachedRegs<T, PACK, false, SHIFT>::kHold, WIDTH>(
+      view_in<T, C, STRIDED, SHIFT>(x, CUKERN_LAYOUT(xs), cols, -Math<C>::inf()),
+      view_out<C, T, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols), rows, blockIdx.x, gridDim.x,
+      0, row_packs<PACK, SHIFT>(cols), BlockReduce<true>());
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-template <typename T, int ALGO, int PACK, int CLUSTER>
+template <typename T, int ALGO, int PACK, int CLUSTER, bool SHIFT = false>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __maxnreg__((CachedRegs<T, PACK, true>::value))
 softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS(xs),
                 CUKERN_LAYOUT_ARGS(ys)) {
   constexpr bool STRIDED = false;
   typedef typename Num<T>::compute C;
   int p0, p1;
-  cluster_pack_range(cols / PACK, CLUSTER, cluster_rank(), p0, p1);
+  cluster_pack_range(row_packs<PACK, SHIFT>(cols), CLUSTER, cluster_rank(), p0, p1);
   softmax_cached<ALGO, PACK, CachedRegs<T, PACK, true>::kHold, 0>(
-      Load<T, C, STRIDED>{x, CUKERN_LAYOUT(xs)}, Store<C, T, STRIDED>{y, CUKERN_LAYOUT(ys)}, rows,
-      blockIdx.x / CLUSTER, gridDim.x / CLUSTER, p0, p1,
-      ClusterReduce<CLUSTER, sizeof(MaxSum<C>)>());
+      view_in<T, C, STRIDED, SHIFT>(x, CUKERN_LAYOUT(xs), cols, -Math<C>::inf()),
+      view_out<C, T, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols), rows, blockIdx.x / CLUSTER,
+      gridDim.x / CLUSTER, p0, p1, ClusterReduce<CLUSTER, sizeof(MaxSum<C>)>());
 }
 #endif
 
@@ -430,16 +459,17 @@ softmax_cluster(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_A
 // Backward: dx from y and dy (softmax: dx = (dy - sum(dy * y)) * y;
 // log-softmax: dx = dy - exp(y) * sum(dy)).
 
-template <typename T, int ALGO, bool STRIDED, int PACK, int CPT, int RPA>
+template <typename T, int ALGO, bool STRIDED, int PACK, int CPT, int RPA, bool SHIFT = false>
 __global__ void __launch_bounds__(128)
 softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                   CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys), CUKERN_LAYOUT_ARGS(dxs)) {
   typedef typename Num<T>::compute C;
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
   constexpr int NP = CPT / PACK;
-  const Load<T, C, STRIDED> ld_y{y, CUKERN_LAYOUT(ys)};
-  const Load<T, C, STRIDED> ld_dy{dy, CUKERN_LAYOUT(dys)};
-  const Store<C, T, STRIDED> st{dx, CUKERN_LAYOUT(dxs)};
+  const auto ld_y = view_in<T, C, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols, C(0));
+  const auto ld_dy = view_in<T, C, STRIDED, SHIFT>(dy, CUKERN_LAYOUT(dys), cols, C(0));
+  const auto st = view_out<C, T, STRIDED, SHIFT>(dx, CUKERN_LAYOUT(dxs), cols);
+  const int vcols = SHIFT ? row_packs<PACK, SHIFT>(cols) * PACK : cols;  // on its packs' grid
   // a row of more than one pack a lane takes the whole warp (the planner's rule): a constant
   // width makes each pack's column offset an immediate (fewer registers)
   if (NP > 1 && blockDim.x != 32) __trap();
@@ -459,10 +489,10 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
 #pragma unroll
         for (int r = 0; r < RPA; ++r) {
           const i64 row = min(row0 + r, rows - 1);
-          const Load<T, C, STRIDED> ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
+          const auto ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
-            const int col = (p * width + lane) * PACK, c = col < cols ? col : 0;
+            const int col = (p * width + lane) * PACK, c = col < vcols ? col : 0;
             ry[r][p] = ly.template raw<PACK>(0, c);
             rdy[r][p] = ldy.template raw<PACK>(0, c);
           }
@@ -471,7 +501,7 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
         for (int r = 0; r < RPA; ++r) {
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
-            const bool ok = row0 + r < rows && (p * width + lane) * PACK < cols;
+            const bool ok = row0 + r < rows && (p * width + lane) * PACK < vcols;
 #pragma unroll
             for (int i = 0; i < PACK; ++i) {
               yb[r][p * PACK + i] = ok ? pack_value(ry[r][p], i) : C(0);
@@ -482,11 +512,11 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
       } else {
 #pragma unroll
         for (int r = 0; r < RPA; ++r) {
-          const Load<T, C, STRIDED> ly = ld_y.from_row(row0 + r), ldy = ld_dy.from_row(row0 + r);
+          const auto ly = ld_y.from_row(row0 + r), ldy = ld_dy.from_row(row0 + r);
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK;
-            if (row0 + r < rows && col < cols) {
+            if (row0 + r < rows && col < vcols) {
               ly.template load<PACK>(yb[r] + p * PACK, 0, col);
               ldy.template load<PACK>(db[r] + p * PACK, 0, col);
             } else {
@@ -506,7 +536,7 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
 #pragma unroll
       for (int r = 0; r < RPA; ++r) {
         if (row0 + r >= rows) continue;
-        store_lane_packs<NP, PACK, C>(st.from_row(row0 + r), 0, width, lane, cols, [&](int j) {
+        store_lane_packs<NP, PACK, C>(st.from_row(row0 + r), 0, width, lane, vcols, [&](int j) {
           return grad_out<ALGO, T>(yb[r][j], db[r][j], s.v[r]);
         });
       }
@@ -525,8 +555,8 @@ __device__ __forceinline__ void grad_cache_pair(Pack<T, PACK>* cache_y, Pack<T, 
 #pragma unroll
   for (int k = 0; k < PACK; ++k) s += grad_term<ALGO>(pack_value(a, k), pack_value(b, k));
 }
-template <int ALGO, int PACK, bool HOLD, typename T, typename C, bool STRIDED>
-__device__ __forceinline__ void grad_store_pair(const Store<C, T, STRIDED>& sr,
+template <int ALGO, int PACK, bool HOLD, typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ void grad_store_pair(const Store<C, T, STRIDED, SHIFT>& sr,
                                                 const Pack<T, PACK>* cache_y,
                                                 const Pack<T, PACK>* cache_dy, int i, int p, C s) {
   const Pack<T, PACK> a = cache_y[i], b = cache_dy[i];
@@ -538,15 +568,15 @@ __device__ __forceinline__ void grad_store_pair(const Store<C, T, STRIDED>& sr,
 
 // Pass 1 for one row of the backward: y and dy packs [p0, p1) into shared memory; returns this
 // thread's part of the row sum of grad_term.
-template <int ALGO, int PACK, int WIDTH, typename T, typename C, bool STRIDED>
-__device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
-                                               const Load<T, C, STRIDED>& ld_dy,
+template <int ALGO, int PACK, int WIDTH, typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED, SHIFT>& ld_y,
+                                               const Load<T, C, STRIDED, SHIFT>& ld_dy,
                                                Pack<T, PACK>* cache_y, Pack<T, PACK>* cache_dy,
                                                i64 row, int p0, int p1) {
   constexpr int U = 2;  // pairs of packs in flight per thread
   const int stride = block_width<WIDTH>();
-  const Load<T, C, STRIDED> ly = held<kGradHold<T>>(ld_y.from_row(row));
-  const Load<T, C, STRIDED> ldy = held<kGradHold<T>>(ld_dy.from_row(row));
+  const auto ly = held<kGradHold<T>>(ld_y.from_row(row));
+  const auto ldy = held<kGradHold<T>>(ld_dy.from_row(row));
   C s = C(0);
   int p = p0 + threadIdx.x;
   for (; p + (U - 1) * stride < p1; p += U * stride) {
@@ -572,10 +602,11 @@ __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED>& ld_y,
 // Cached backward over rows row, row + row_step, ...: y then dy of packs [p0, p1) in shared
 // memory (`slice` packs apart). As in the forward, writing dx of one row and reading the next
 // row run as one loop.
-template <int ALGO, int PACK, int WIDTH, typename T, typename C, bool STRIDED, typename Reduce>
-__device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& ld_y,
-                                                    const Load<T, C, STRIDED>& ld_dy,
-                                                    const Store<C, T, STRIDED>& st, i64 rows,
+template <int ALGO, int PACK, int WIDTH, typename T, typename C, bool STRIDED, bool SHIFT,
+          typename Reduce>
+__device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED, SHIFT>& ld_y,
+                                                    const Load<T, C, STRIDED, SHIFT>& ld_dy,
+                                                    const Store<C, T, STRIDED, SHIFT>& st, i64 rows,
                                                     i64 row, i64 row_step, int p0, int p1,
                                                     int slice, Reduce reduce) {
   typedef Pack<T, PACK> P;
@@ -589,9 +620,9 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
     const i64 next = row + row_step;
     const bool more = next < rows;  // uniform
     s = reduce(Sums<C, 1>{{s}}, !more).v[0];
-    const Load<T, C, STRIDED> ny = held<kGradHold<T>>(ld_y.from_row(next));
-    const Load<T, C, STRIDED> ndy = held<kGradHold<T>>(ld_dy.from_row(next));
-    const Store<C, T, STRIDED> sr = held<kGradHold<T>>(st.from_row(row));
+    const auto ny = held<kGradHold<T>>(ld_y.from_row(next));
+    const auto ndy = held<kGradHold<T>>(ld_dy.from_row(next));
+    const auto sr = held<kGradHold<T>>(st.from_row(row));
     C s_next = C(0);
     int p = p0 + threadIdx.x;
     for (; p + (U - 1) * stride < p1; p += U * stride) {
@@ -635,26 +666,28 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED>& l
 
 // The all-reduce's buffers are static for float compute (at the dynamic tail they cost bfloat16
 // rows of 32768 columns 1.1-1.3 points of copy), at the tail for double (plan.rowwise's tail).
-template <typename T, int ALGO, bool STRIDED, int PACK, int WIDTH>
+template <typename T, int ALGO, bool STRIDED, int PACK, int WIDTH, bool SHIFT = false>
 __global__ void __launch_bounds__(WIDTH ? WIDTH : 1024)
 softmax_grad_block_smem(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                         CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys),
                         CUKERN_LAYOUT_ARGS(dxs)) {
   typedef typename Num<T>::compute C;
+  const int num_packs = row_packs<PACK, SHIFT>(cols);
   softmax_grad_cached<ALGO, PACK, WIDTH>(
-      Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
-      Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x, gridDim.x, 0, cols / PACK,
-      cols / PACK, BlockReduce<(sizeof(C) > 4)>());
+      view_in<T, C, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols, C(0)),
+      view_in<T, C, STRIDED, SHIFT>(dy, CUKERN_LAYOUT(dys), cols, C(0)),
+      view_out<C, T, STRIDED, SHIFT>(dx, CUKERN_LAYOUT(dxs), cols), rows, blockIdx.x, gridDim.x,
+      0, num_packs, num_packs, BlockReduce<(sizeof(C) > 4)>());
 }
 
 // The sum of grad_term over packs [0, num_packs), read from global memory (the uncached kernel).
-template <int ALGO, int PACK, typename T, typename C, bool STRIDED>
-__device__ __forceinline__ C softmax_grad_scan(const Load<T, C, STRIDED>& ld_y,
-                                               const Load<T, C, STRIDED>& ld_dy, i64 row,
+template <int ALGO, int PACK, typename T, typename C, bool STRIDED, bool SHIFT>
+__device__ __forceinline__ C softmax_grad_scan(const Load<T, C, STRIDED, SHIFT>& ld_y,
+                                               const Load<T, C, STRIDED, SHIFT>& ld_dy, i64 row,
                                                int num_packs) {
   constexpr int U = 2;
   const int stride = blockDim.x;
-  const Load<T, C, STRIDED> ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
+  const auto ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
   C acc = C(0);
   int p = threadIdx.x;
   for (; p + (U - 1) * stride < num_packs; p += U * stride) {
@@ -681,22 +714,22 @@ __device__ __forceinline__ C softmax_grad_scan(const Load<T, C, STRIDED>& ld_y,
   return acc;
 }
 
-template <typename T, int ALGO, bool STRIDED, int PACK>
+template <typename T, int ALGO, bool STRIDED, int PACK, bool SHIFT = false>
 __global__ void __launch_bounds__(1024)
 softmax_grad_block_uncached(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                             CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys),
                             CUKERN_LAYOUT_ARGS(dxs)) {
   typedef typename Num<T>::compute C;
-  const Load<T, C, STRIDED> ld_y{y, CUKERN_LAYOUT(ys)};
-  const Load<T, C, STRIDED> ld_dy{dy, CUKERN_LAYOUT(dys)};
-  const Store<C, T, STRIDED> st{dx, CUKERN_LAYOUT(dxs)};
-  const int num_packs = cols / PACK;
+  const auto ld_y = view_in<T, C, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols, C(0));
+  const auto ld_dy = view_in<T, C, STRIDED, SHIFT>(dy, CUKERN_LAYOUT(dys), cols, C(0));
+  const auto st = view_out<C, T, STRIDED, SHIFT>(dx, CUKERN_LAYOUT(dxs), cols);
+  const int num_packs = row_packs<PACK, SHIFT>(cols);
   unsigned phase = 0;  // allreduce_block's buffer phase
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const C s = allreduce_block(
         Sums<C, 1>{{softmax_grad_scan<ALGO, PACK>(ld_y, ld_dy, row, num_packs)}}, phase).v[0];
-    const Load<T, C, STRIDED> ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
-    const Store<C, T, STRIDED> sr = st.from_row(row);
+    const auto ly = ld_y.from_row(row), ldy = ld_dy.from_row(row);
+    const auto sr = st.from_row(row);
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C a[PACK], b[PACK];
       ly.template load<PACK>(a, 0, p * PACK);
@@ -709,18 +742,19 @@ softmax_grad_block_uncached(const T* y, const T* dy, T* dx, i64 rows, int cols, 
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and newer
-template <typename T, int ALGO, int PACK, int CLUSTER>
+template <typename T, int ALGO, int PACK, int CLUSTER, bool SHIFT = false>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(1024)
 softmax_grad_cluster(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
                      CUKERN_LAYOUT_ARGS(ys), CUKERN_LAYOUT_ARGS(dys), CUKERN_LAYOUT_ARGS(dxs)) {
   constexpr bool STRIDED = false;
   typedef typename Num<T>::compute C;
-  const int num_packs = cols / PACK;
+  const int num_packs = row_packs<PACK, SHIFT>(cols);
   int p0, p1;
   cluster_pack_range(num_packs, CLUSTER, cluster_rank(), p0, p1);
   softmax_grad_cached<ALGO, PACK, 0>(
-      Load<T, C, STRIDED>{y, CUKERN_LAYOUT(ys)}, Load<T, C, STRIDED>{dy, CUKERN_LAYOUT(dys)},
-      Store<C, T, STRIDED>{dx, CUKERN_LAYOUT(dxs)}, rows, blockIdx.x / CLUSTER,
+      view_in<T, C, STRIDED, SHIFT>(y, CUKERN_LAYOUT(ys), cols, C(0)),
+      view_in<T, C, STRIDED, SHIFT>(dy, CUKERN_LAYOUT(dys), cols, C(0)),
+      view_out<C, T, STRIDED, SHIFT>(dx, CUKERN_LAYOUT(dxs), cols), rows, blockIdx.x / CLUSTER,
       gridDim.x / CLUSTER, p0, p1, (num_packs + CLUSTER - 1) / CLUSTER,
       ClusterReduce<CLUSTER, sizeof(Sums<C, 1>)>());
 }

@@ -55,8 +55,9 @@ WARP_TABLE = [
 @pytest.mark.parametrize("op", FWD + BWD)
 @pytest.mark.parametrize("cols,rows,dtype,pack,width,cpt,rpa,padding", WARP_TABLE)
 def test_warp_plans(op, cols, rows, dtype, pack, width, cpt, rpa, padding):
-    # rows + LONG: the same parity on a grid long enough for OneFlow's rows_per_access rule
-    p = plan_rowwise(op, rows + LONG, cols, dtype, H100)
+    # rows + LONG: the same parity on a grid long enough for OneFlow's rows_per_access rule;
+    # arrays whose rows start at different offsets in their 16-byte words (no shifted packs)
+    p = plan_rowwise(op, rows + LONG, cols, dtype, H100, shift_ok=False)
     assert p.variant is Variant.WARP
     assert (p.pack_size, p.thread_group_width, p.cols_per_thread, p.rows_per_access,
             p.padding) == (pack, width, cpt, rpa, padding)
@@ -83,10 +84,58 @@ def test_short_grids_take_one_row_per_access():
 
 def test_pack_respects_alignment_and_stride():
     assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=16).pack_size == 8
-    assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=4).pack_size == 4
-    assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=1).pack_size == 1
-    assert plan_rowwise("softmax", 8, 62, "float16", H100).pack_size == 2
+    for align in (4, 1):  # arrays whose rows start at different offsets of their 16-byte words
+        assert plan_rowwise("softmax", 8, 64, "float16", H100, align_elems=align,
+                            shift_ok=False).pack_size == align
+    assert plan_rowwise("softmax", 8, 62, "float16", H100, shift_ok=False).pack_size == 2
     assert plan_rowwise("softmax", 8, 64, "float16", H100, strided=True).pack_size == 1
+
+
+# (cols, dtype, align_elems) of rows off the 16-byte grid -> (variant, pack, cols the plan is
+# sized for: the most a row's packs span, its first element anywhere in its first pack)
+SHIFTED = [
+    (34, "float16", 16, Variant.WARP, 8, 48),  # 4 packs or more
+    (62, "float16", 16, Variant.WARP, 8, 72),
+    (33, "float32", 16, Variant.WARP, 4, 36),
+    (1001, "float16", 16, Variant.WARP, 8, 1008),
+    (1017, "float16", 16, Variant.WARP, 8, 1024),  # the warp kernel's widest
+    (1018, "float16", 16, Variant.BLOCK_SMEM, 8, 1032),  # past it: a block
+    (1023, "float32", 16, Variant.BLOCK_SMEM, 4, 1028),
+    (1024, "float16", 2, Variant.BLOCK_SMEM, 8, 1032),  # rows starting 2 elements in
+    (50257, "float16", 16, Variant.BLOCK_SMEM, 8, 50264),
+    (10001, "float64", 16, Variant.BLOCK_SMEM, 2, 10002),
+    (262143, "float32", 16, Variant.CLUSTER, 4, 262148),
+]
+
+
+@pytest.mark.parametrize("op", FWD + BWD)
+@pytest.mark.parametrize("cols,dtype,align,variant,pack,sized", SHIFTED)
+def test_rows_off_the_grid_take_shifted_16_byte_packs(op, cols, dtype, align, variant, pack,
+                                                      sized):
+    p = plan_rowwise(op, 4096, cols, dtype, H100, align_elems=align)
+    assert (p.variant, p.pack_size, p.shifted, p.cols) == (variant, pack, True, cols), p
+    assert p.name_expression().endswith(", true>")
+    assert "shifted" in str(p)
+    if variant is Variant.WARP:
+        assert p.cols_per_thread * p.thread_group_width >= sized
+        assert p.cols_per_thread // 2 * p.thread_group_width < sized or p.cols_per_thread == pack
+    elif variant is Variant.BLOCK_SMEM:  # the row's packs (then the all-reduce's buffers)
+        assert p.smem_bytes >= sized * ITEM[dtype] * registry.policy(op).inputs
+    # not shifted: rows on the grid, arrays at other offsets, strided columns, short rows
+    same = plan_rowwise(op, 4096, cols, dtype, H100, align_elems=align, shift_ok=False)
+    assert not same.shifted and same.pack_size < pack
+    assert not plan_rowwise(op, 4096, cols, dtype, H100, strided=True).shifted
+    assert not plan_rowwise(op, 4096, 1024, dtype, H100).shifted
+    assert not plan_rowwise(op, 4096, 4 * pack - 1, dtype, H100).shifted
+
+
+def test_same_offsets():
+    assert runner.same_offsets(2, [32, 64 + 16], [1001])
+    assert runner.same_offsets(2, [2, 18, 34], [1001, 1001 + 8])
+    assert not runner.same_offsets(2, [2, 16], [1001])
+    assert not runner.same_offsets(2, [0, 0], [1001, 1002])
+    assert runner.same_offsets(4, [4, 20], [])
+    assert not runner.same_offsets(4, [0, 0], [3, 5])
 
 
 def test_grids():
@@ -163,8 +212,13 @@ def test_block_smem_boundary(op, dtype):
     assert inside.smem_bytes == edge * ITEM[dtype] * registry.policy(op).inputs + \
         _block_tail(op, dtype, inside.threads)
     assert inside.smem_bytes <= planner.max_dynamic_smem(H100)
-    below = plan_rowwise(op, 1000, edge - 1, dtype, H100)
+    below = plan_rowwise(op, 1000, edge - 1, dtype, H100, shift_ok=False)
     assert below.variant is Variant.BLOCK_SMEM
+    # in shifted packs, a row's packs may span up to 2 packs less one element more
+    shifted = plan_rowwise(op, 1000, edge - 1, dtype, H100)
+    fits = planner.rowwise.shifted_cols(edge - 1, 16 // ITEM[dtype]) <= edge
+    assert shifted.shifted
+    assert shifted.variant is (Variant.BLOCK_SMEM if fits else Variant.CLUSTER)
     above = plan_rowwise(op, 1000, edge + planner.pack_size(dtype, edge, 16, False), dtype,
                          H100)
     assert above.variant is Variant.CLUSTER  # Hopper: the row moves to a cluster
@@ -381,9 +435,9 @@ def test_reachable_covers_planner_output():
             for cols in list(range(1, 1100)) + list(rng.integers(1, 3_000_000, 100)):
                 for rows in (1, 2):
                     for align in (1, 2, 4, 8, 16):
-                        for strided in (False, True):
+                        for strided, shift_ok in ((False, False), (False, True), (True, True)):
                             p = plan_rowwise(op, rows, int(cols), dt, H100, align_elems=align,
-                                             strided=strided)
+                                             strided=strided, shift_ok=shift_ok)
                             assert p.name_expression() in reach[op][dt], p
 
 

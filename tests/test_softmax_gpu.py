@@ -120,6 +120,67 @@ def test_every_variant_at_its_edges(op, dtype, rng):
         check(op, host, dev, dtype)
 
 
+def off_grid_shapes(op, dtype):
+    """Rows off the 16-byte grid for every variant the shifted packs reach on this device."""
+    edge = smem_edge(op, dtype)
+    wide = 16 // ITEM[dtype]
+    shapes = [(5, 4 * wide + 1), (7, 101), (300, 999), (3, 1017), (3, 1018), (4, 4099),
+              (3, edge - wide - 1)]
+    if spec().has_clusters:
+        shapes += [(2, edge + 3), (3, 5 * edge // 2 + 1)]
+    return shapes + [(2, CLUSTER_SIZES[-1] * edge + wide * 64 + 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_rows_off_the_grid_every_variant(op, dtype, rng):
+    """Rows whose length is not a multiple of 16 bytes take 16-byte packs of memory, each row's
+    end packs masked: every variant, poisoned out=, fresh results and the cached fast path."""
+    seen = set()
+    for shape in off_grid_shapes(op, dtype):
+        plan = cukern.explain(op, shape, dtype)
+        assert plan.shifted and plan.pack_size * ITEM[dtype] == 16, (shape, plan)
+        seen.add(plan.variant)
+        host, dev = inputs(op, shape, dtype, rng)
+        check(op, host, dev, dtype)
+        assert softmax_mod.last_plan(op).shifted
+    want = {Variant.WARP, Variant.BLOCK_SMEM, Variant.BLOCK_UNCACHED}
+    assert want | ({Variant.CLUSTER} if spec().has_clusters else set()) == seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", FWD + BWD)
+def test_rows_off_the_grid_leave_their_neighbours(op, dtype, rng):
+    """Views whose rows start at every offset of a 16-byte word (row stride cols + 5, first
+    column 3): out= at the same offsets takes the shifted packs, and the elements around its
+    rows keep their sentinel; out= one element further on cannot, and is right too."""
+    dt = np_dtype(dtype)
+    for cols in (45, 1001, 6007, 70001):
+        width = cols + 5
+        sentinel = np.asarray(7.5, dt)
+        arrays, host = [], []
+        for _ in range(2 if op in BWD else 1):
+            base = rng.standard_normal((9, width)).astype(dt)
+            arrays.append(cp.asarray(base)[:, 3:3 + cols])
+            host.append(base[:, 3:3 + cols].astype(np.float64))
+        if op in BWD:  # dy, then y: a softmax output
+            fwd = reference.softmax if op == "softmax_backward" else reference.log_softmax
+            y = fwd(host[1]).astype(dt)
+            arrays[1][...] = cp.asarray(y)
+            host[1] = y.astype(np.float64)
+        ref = getattr(reference, op)(*host)
+        for start, shifted in ((3, True), (4, False)):
+            big = cp.full((9, width), sentinel, dtype=dt)
+            out = big[:, start:start + cols]
+            getattr(cukern, op)(*arrays, out=out)
+            assert softmax_mod.last_plan(op).shifted is shifted, (cols, start)
+            err = rel_err(out, ref)
+            assert err <= TOL[dtype], f"{op} {dtype} cols={cols} start={start}: {err:.3g}"
+            around = cp.asnumpy(big).astype(np.float64)
+            around[:, start:start + cols] = float(sentinel)
+            assert (around == float(sentinel)).all(), (cols, start)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", FWD + BWD)
 def test_uncached_at_short_rows(op, dtype, rng, monkeypatch):
@@ -439,6 +500,25 @@ def pinned_plans(op, dtype, rows, cols):
             plans.append(replace(template, variant=Variant.CLUSTER, cluster=size, grid=2 * size,
                                  block=(threads, 1),
                                  smem_bytes=cache + cluster_tail(op, dtype, threads)))
+    if pack * ITEM[dtype] < 16 and cols > 1:  # the same in shifted 16-byte packs
+        wide = 16 // ITEM[dtype]
+        span = planner.rowwise.shifted_cols(cols, wide)
+        for p in list(plans):
+            if p.variant is Variant.WARP:
+                shifted = planner.plan_rowwise(op, rows, cols, dtype, dev)
+                if shifted.shifted:
+                    plans.append(replace(shifted, grid=1))
+                continue
+            smem = p.smem_bytes
+            if p.variant is Variant.BLOCK_SMEM:
+                smem = -(-span * ITEM[dtype] * inputs // 16) * 16 + block_tail(op, dtype,
+                                                                               p.threads)
+            elif p.variant is Variant.CLUSTER:
+                per = -(-(span // wide) // p.cluster) * wide
+                smem = -(-per * ITEM[dtype] * inputs // 16) * 16 + cluster_tail(op, dtype,
+                                                                                p.threads)
+            if smem <= max_dynamic_smem(dev):
+                plans.append(replace(p, pack_size=wide, shifted=True, smem_bytes=smem))
     return plans
 
 

@@ -8,6 +8,8 @@ a cached block's width where it is compiled in, ``OpPolicy.fixed_widths``, else 
     softmax_block_smem<T, ALGO, STRIDED, PACK, WIDTH>   softmax_grad_block_smem<...>
     softmax_block_uncached<T, ALGO, STRIDED, PACK>      softmax_grad_block_uncached<...>
     softmax_cluster<T, ALGO, PACK, CLUSTER>             softmax_grad_cluster<...>
+
+each with a last argument SHIFT (default false; true for rows off the 16-byte grid, Plan.shifted).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def name_expression(plan: Plan) -> str:
             args += [plan.cols_per_thread, plan.rows_per_access]
         elif plan.variant is Variant.BLOCK_SMEM:
             args.append(plan.threads if plan.threads in pol.fixed_widths else 0)
+    if plan.shifted:
+        args.append("true")
     return f"cukern::{pol.kernel}_{plan.variant.value}<{', '.join(map(str, args))}>"
 
 
@@ -45,7 +49,8 @@ def _policy(op: str, kernel: str, algo: int, inputs: int) -> OpPolicy:
                     tail_in_blocks=tuple(CPP_TYPES) if inputs == 1 else ("float64",),
                     signature=name_expression,
                     switch_sets=(Switches(),), fixed_widths=FIXED_WIDTHS,
-                    lone_block_one_wave=inputs == 1, load_round=4 if inputs == 1 else 0)
+                    lone_block_one_wave=inputs == 1, load_round=4 if inputs == 1 else 0,
+                    shifted_rows=True)
 
 
 POLICIES = {

@@ -120,9 +120,10 @@ def _fast(op: str, x, axis: int):
 
 
 def _key2(op: str, axis: int, y, dy) -> tuple:
-    """A backward's fast-path key: (y, dy) as CuPy arrays, the pointer bits as _launch has them."""
+    """A backward's fast-path key: (y, dy) as CuPy arrays, each pointer's offset in its 16-byte
+    word (alignment, and whether the rows share it: Plan.shifted)."""
     return (op, axis, y.shape, y.strides, y.dtype, y.data.device_id, dy.shape, dy.strides,
-            dy.dtype, dy.data.device_id, (y.data.ptr | dy.data.ptr) & 15)
+            dy.dtype, dy.data.device_id, y.data.ptr & 15, dy.data.ptr & 15)
 
 
 def _fast_backward(op: str, y, dy, axis: int):
@@ -180,11 +181,9 @@ def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> c.Launch | None:
     """Plan (once per layout) and launch, with the arrays' device current; returns the Launch,
     or None when copies were made."""
     dev = arrays[0].data.device_id
-    ptr_bits = o.data.ptr
-    for a in arrays:
-        ptr_bits |= a.data.ptr
+    # each pointer's offset in its 16-byte word: the alignment, and whether the rows share it
     key = (op, dev, axis, dtype, arrays[0].shape, tuple(a.strides for a in arrays), o.strides,
-           ptr_bits & 15)
+           tuple(a.data.ptr & 15 for a in arrays), o.data.ptr & 15)
     launch = _launches.get(key)
     if launch is None:
         layouts = [c.layout(a, axis) for a in arrays]

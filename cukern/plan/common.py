@@ -77,6 +77,9 @@ class Plan:
     overlap: bool = False
     # A forward norm cluster caches this many rows a pass, gamma and beta read once for them
     rows_per_pass: int = 1
+    # Rows off the 16-byte grid read and written in 16-byte packs of memory, each row's first
+    # and last pack masked (OpPolicy.shifted_rows; kernels/memory.cuh, RowWindow)
+    shifted: bool = False
     policy: OpPolicy | None = field(default=None, repr=False, compare=False)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -111,6 +114,9 @@ class Plan:
             f"  pack_size          {self.pack_size} ({self.pack_size * ITEMSIZE[self.dtype]} "
             f"bytes per access)",
         ]
+        if self.shifted:
+            lines.append("  shifted            packs on memory's 16-byte grid, each row's end "
+                         "packs masked")
         if self.variant is Variant.WARP:
             lines += [
                 f"  thread_group_width {self.thread_group_width}",

@@ -437,6 +437,9 @@ class OpPolicy:
     cluster_at_launch_below: int = 0
     # block widths compiled into the cached block kernels (their WIDTH; others read it at launch)
     fixed_widths: tuple[int, ...] = ()
+    # rows off the 16-byte grid (a length or start that is not a multiple of 16 bytes) take
+    # 16-byte packs on memory's grid, their end packs masked (Plan.shifted; the kernels' SHIFT)
+    shifted_rows: bool = False
     # the family's signature: plan -> C++ name expression
     signature: Callable = field(default=None, repr=False, compare=False)
     # switch combinations this op's kernels were built for: the default first

@@ -54,6 +54,24 @@ def _registered(op: str) -> OpPolicy:
     return policy(op)
 
 
+# Rows of at least this many 16-byte packs take them shifted (Plan.shifted) where narrower
+# packs would divide them.
+SHIFT_MIN_PACKS = 4
+
+
+def _shifted(pol: OpPolicy, dtype: str, cols: int, pack: int, strided: bool, shift_ok: bool,
+             sw: Switches) -> bool:
+    full = 16 // ITEMSIZE[dtype]
+    return (pol.shifted_rows and shift_ok and not strided and pack < full
+            and cols >= SHIFT_MIN_PACKS * full and not sw.float32_params)
+
+
+def shifted_cols(cols: int, pack: int) -> int:
+    """The columns a shifted row's packs span at most (kernels/memory.cuh, row_packs): its
+    first element anywhere in its first 16-byte pack."""
+    return (cols + 2 * pack - 2) // pack * pack
+
+
 def _two_packs(pol: OpPolicy, sw: Switches, pack_bytes: int, tune: Tuning) -> int:
     """Warp rows of 3 up to this many packs take two packs a lane (0: none): full 16-byte
     packs, no residual, Tuning.two_packs_max_packs."""
@@ -68,13 +86,17 @@ def _may_pair(pol: OpPolicy, sw: Switches, dtype: str) -> bool:
 
 def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
                  occupancy: Occupancy | None = None, *, align_elems: int = 16,
-                 strided: bool = False, switches: Switches | None = None) -> Plan:
+                 strided: bool = False, switches: Switches | None = None,
+                 shift_ok: bool = True) -> Plan:
     """Choose the kernel for a row-wise op over a (rows, cols) view.
 
     ``align_elems``: the largest power of two (in elements, up to 16) dividing every pointer's
     address and every row stride; ``strided``: rows or columns are not contiguous, so every
     access is a single element. ``occupancy`` defaults to the device model. ``switches``: the
-    optional operands the call passes (None: none).
+    optional operands the call passes (None: none). ``shift_ok``: every array's rows start at
+    the same offset within their 16-byte words (pointers and row strides congruent modulo 16
+    bytes, as for fresh C-contiguous arrays), so rows off the 16-byte grid may be read in
+    16-byte packs of memory (``OpPolicy.shifted_rows``).
     """
     pol = _policy(op)
     if dtype not in ITEMSIZE:
@@ -99,8 +121,13 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     tune = tuning_for(device)
     item = ITEMSIZE[dtype]
     pack = pack_size(dtype, cols, align_elems, strided)
+    shifted = _shifted(pol, dtype, cols, pack, strided, shift_ok, sw)
+    if shifted:
+        pack = 16 // ITEMSIZE[dtype]
     base = dict(op=pol.op, dtype=dtype, rows=rows, cols=cols, pack_size=pack, strided=strided,
-                device=device.name, switches=sw, policy=pol)
+                device=device.name, switches=sw, policy=pol, shifted=shifted)
+    if shifted:  # sized by the most packs a row covers on the 16-byte grid
+        cols = shifted_cols(cols, pack)
     # dweight/dbias: kept on chip beside a cached row, one wave of blocks, each a partial row
     sums = pol.col_sums if sw.weight else 0
     if sw.float32_params:  # the uncached kernel, a block as wide as the row's packs need
@@ -345,13 +372,17 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
     tune = tuning_for(device)
     item = ITEMSIZE[dtype]
     packs = sorted({pack_size(dtype, c, 16, False) for c in (1, 2, 4, 8, 16)})
-    layouts = [(p, False) for p in packs] + ([(1, True)] if pol.strided else [])
+    layouts = [(p, False, False) for p in packs] + ([(1, True, False)] if pol.strided else [])
+    if pol.shifted_rows:
+        layouts.append((16 // item, False, True))
     names: set[str] = set()
     # every switch set: the forward's warp and block names collapse over weight and bias (kernel
     # arguments, null where absent), its cluster names do not (template switches)
-    for (pack, strided), sw in itertools.product(layouts, pol.switch_sets):
+    for (pack, strided, shifted), sw in itertools.product(layouts, pol.switch_sets):
+        if shifted and sw.float32_params:
+            continue
         base = dict(op=pol.op, dtype=dtype, rows=1, cols=1, pack_size=pack, strided=strided,
-                    device=device.name, grid=1, switches=sw, policy=pol)
+                    device=device.name, grid=1, switches=sw, policy=pol, shifted=shifted)
 
         def add(variant: Variant, threads: int, **kw) -> None:
             shape = {} if variant is Variant.WARP else NO_WARP
@@ -361,9 +392,13 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
         # two (or four) packs a lane as far as any GPU model of the architecture takes them
         lanes = {(_two_packs(pol, sw, pack * item, t), (pol.op, item) in t.warp_four_packs)
                  for t in arch_tunings(device)}
+        widths = range(pack, tune.warp_max_cols + 1, pack)
+        if shifted:  # the packs a row covers at most, as plan_rowwise sizes them
+            widths = sorted({shifted_cols(c, pack) for c in range(SHIFT_MIN_PACKS * pack,
+                                                                  tune.warp_max_cols + 1)}
+                            - set(range(tune.warp_max_cols + 1, 2 * tune.warp_max_cols)))
         shapes = {warp_shape(cols, pack, rows, two_packs=n, four_packs=f)
-                  for cols, rows, (n, f) in itertools.product(
-                      range(pack, tune.warp_max_cols + 1, pack), (1, 2), lanes)}
+                  for cols, rows, (n, f) in itertools.product(widths, (1, 2), lanes)}
         for width, cpt, rpa, padding in shapes:  # each distinct shape once
             add(Variant.WARP, width, cols_per_thread=cpt, thread_group_width=width,
                 rows_per_access=rpa, padding=padding)
