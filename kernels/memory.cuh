@@ -38,23 +38,37 @@ template <bool STRIDED> struct Layout {
 // 16 bytes, every array's rows starting at the same offset within their 16-byte words): a row
 // is read and written in whole 16-byte packs of memory, its own elements at [lo, hi) of them
 // (lo: its first element's place in its word). The packs' other elements belong to the
-// neighbouring rows: loads put `fill` (the reduction's identity) in their place, stores leave
-// them alone. A 16-byte-aligned word holding one element of an array lies in the same memory
-// page, so reading it whole is safe; a pack wholly past the row (hi) is read as its last one.
-template <typename T, bool SHIFT> struct RowWindow {};
+// neighbouring rows: loads put `fill` (the reduction's identity) in their place, or leave them
+// to the kernel's mask() of the values (after all of its loads: a masking branch between loads
+// made them wait for each other), and stores leave them alone. A 16-byte-aligned word holding
+// one element of an array lies in the same memory page, so reading it whole is safe; a pack
+// wholly past the row is read as its last one (`last`: that pack's first column).
+template <typename T, bool SHIFT> struct RowWindow {
+  static constexpr bool kActive = false;
+  template <int N, typename C> __device__ __forceinline__ void mask(C*, int, C) const {}
+};
 template <typename T> struct RowWindow<T, true> {
-  int lo, hi;
+  static constexpr bool kActive = true;
+  int lo, hi, last;
   T fill;
   // a pack at column `col` holds elements of other rows (the row's first or last pack)
   __device__ __forceinline__ bool partial(int col, int n) const { return col < lo || col + n > hi; }
   __device__ __forceinline__ bool has(int col) const { return col >= lo && col < hi; }
-  // the window of the row that begins at p (a row of hi - lo elements), and p moved back to
-  // the start of its 16-byte word
-  template <typename P> __device__ __forceinline__ RowWindow at_row(P*& p) const {
+  // the N values of the pack at column col, the other rows' replaced by `fill`
+  template <int N, typename C> __device__ __forceinline__ void mask(C* v, int col, C f) const {
+    if (partial(col, N)) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = has(col + i) ? v[i] : f;
+    }
+  }
+  // the window of the row that begins at p (a row of hi - lo elements, packs of N), and p moved
+  // back to the start of its 16-byte word
+  template <int N, typename P> __device__ __forceinline__ RowWindow at_row(P*& p) const {
     const int off = static_cast<int>(reinterpret_cast<unsigned long long>(p) & 15) /
                     static_cast<int>(sizeof(T));
     p -= off;
-    return RowWindow{off, off + hi - lo, fill};
+    const int end = off + hi - lo;
+    return RowWindow{off, end, (end - 1) & -N, fill};
   }
 };
 
@@ -71,16 +85,17 @@ template <typename T, typename C, bool STRIDED, bool SHIFT = false> struct Load 
   const T* ptr;
   Layout<STRIDED> at;
   RowWindow<T, SHIFT> win;
-  template <int N> __device__ __forceinline__ Pack<T, N> raw(i64 row, int col) const {
+  // MASK false (SHIFT): the other rows' elements left as read, for the kernel's win.mask
+  template <int N, bool MASK = true>
+  __device__ __forceinline__ Pack<T, N> raw(i64 row, int col) const {
     Pack<T, N> pack;
     if (STRIDED) {
 #pragma unroll
       for (int i = 0; i < N; ++i) pack.elem[i] = ptr[at.offset(row, col + i)];
     } else if constexpr (SHIFT) {
-      const int last = (win.hi - 1) / N * N;
       pack.word = *reinterpret_cast<const typename Pack<T, N>::word_t*>(
-          ptr + at.offset(row, col < last ? col : last));
-      if (win.partial(col, N)) {
+          ptr + at.offset(row, col < win.last ? col : win.last));
+      if (MASK && win.partial(col, N)) {
 #pragma unroll
         for (int i = 0; i < N; ++i) {
           if (!win.has(col + i)) pack.elem[i] = win.fill;
@@ -91,8 +106,9 @@ template <typename T, typename C, bool STRIDED, bool SHIFT = false> struct Load 
     }
     return pack;
   }
-  template <int N> __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
-    const Pack<T, N> pack = raw<N>(row, col);
+  template <int N, bool MASK = true>
+  __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
+    const Pack<T, N> pack = raw<N, MASK>(row, col);
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = pack_value(pack, i);
   }
@@ -101,7 +117,7 @@ template <typename T, typename C, bool STRIDED, bool SHIFT = false> struct Load 
   __device__ __forceinline__ Load from_row(i64 row) const {
     const T* p = ptr + at.offset(row, 0);
     if constexpr (SHIFT) {
-      const RowWindow<T, SHIFT> w = win.at_row(p);
+      const RowWindow<T, SHIFT> w = win.template at_row<16 / sizeof(T)>(p);
       return Load{p, at, w};
     } else {
       return Load{p, at};
@@ -140,7 +156,7 @@ template <typename C, typename T, bool STRIDED, bool SHIFT = false> struct Store
   __device__ __forceinline__ Store from_row(i64 row) const {
     T* p = ptr + at.offset(row, 0);
     if constexpr (SHIFT) {
-      const RowWindow<T, SHIFT> w = win.at_row(p);
+      const RowWindow<T, SHIFT> w = win.template at_row<16 / sizeof(T)>(p);
       return Store{p, at, w};
     } else {
       return Store{p, at};

@@ -103,7 +103,7 @@ template <typename T, typename C, bool STRIDED, bool SHIFT>
 __device__ __forceinline__ Load<T, C, STRIDED, SHIFT> view_in(const T* p, Layout<STRIDED> at,
                                                               int cols, C fill) {
   if constexpr (SHIFT) {
-    return {p, at, {0, cols, Num<T>::from(fill)}};
+    return {p, at, {0, cols, 0, Num<T>::from(fill)}};
   } else {
     return {p, at};
   }
@@ -112,7 +112,7 @@ template <typename C, typename T, bool STRIDED, bool SHIFT>
 __device__ __forceinline__ Store<C, T, STRIDED, SHIFT> view_out(T* p, Layout<STRIDED> at,
                                                                 int cols) {
   if constexpr (SHIFT) {
-    return {p, at, {0, cols, T{}}};
+    return {p, at, {0, cols, 0, T{}}};
   } else {
     return {p, at};
   }
@@ -136,10 +136,11 @@ template <bool HOLD, typename V> __device__ __forceinline__ V held(V v) {
   }
   return v;
 }
+// SHIFT: the pack as read, the other rows' elements left to the caller's win.mask.
 template <int PACK, bool HOLD, typename T, typename C, bool STRIDED, bool SHIFT>
 __device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED, SHIFT>& lr, int q) {
   if constexpr (STRIDED || SHIFT || !HOLD) {
-    return lr.template raw<PACK>(0, q * PACK);
+    return lr.template raw<PACK, false>(0, q * PACK);
   } else {
     Pack<T, PACK> v;
     v.word = reinterpret_cast<const typename Pack<T, PACK>::word_t*>(lr.ptr)[q];
@@ -202,7 +203,7 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK;
-            raw[r][p] = lr.template raw<PACK>(0, col < vcols ? col : 0);
+            raw[r][p] = lr.template raw<PACK, false>(0, col < vcols ? col : 0);
           }
         }
 #pragma unroll
@@ -221,11 +222,21 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK;
             if (row0 + r < rows && col < vcols) {
-              lr.template load<PACK>(buf[r] + p * PACK, 0, col);
+              lr.template load<PACK, false>(buf[r] + p * PACK, 0, col);
             } else {
 #pragma unroll
               for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = -Math<C>::inf();
             }
+          }
+        }
+      }
+      if constexpr (SHIFT) {  // after every load: the other rows' elements of the end packs
+#pragma unroll
+        for (int r = 0; r < RPA; ++r) {
+          const auto w = ld.from_row(min(row0 + r, rows - 1)).win;
+#pragma unroll
+          for (int p = 0; p < NP; ++p) {
+            w.template mask<PACK>(buf[r] + p * PACK, (p * width + lane) * PACK, -Math<C>::inf());
           }
         }
       }
@@ -287,12 +298,13 @@ __device__ __forceinline__ MaxSum<C> softmax_scan(const Load<T, C, STRIDED, SHIF
   for (; p + (U - 1) * stride < num_packs; p += U * stride) {
     Pack<T, PACK> v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = lr.template raw<PACK>(0, (p + u * stride) * PACK);
+    for (int u = 0; u < U; ++u) v[u] = lr.template raw<PACK, false>(0, (p + u * stride) * PACK);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       C c[PACK];
 #pragma unroll
       for (int i = 0; i < PACK; ++i) c[i] = pack_value(v[u], i);
+      lr.win.template mask<PACK>(c, (p + u * stride) * PACK, -Math<C>::inf());
       acc.template add<PACK>(c);
     }
   }
@@ -320,7 +332,7 @@ softmax_block_uncached(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_L
     const auto sr = st.from_row(row);
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C v[PACK];
-      lr.template load<PACK>(v, 0, p * PACK);
+      lr.template load<PACK, false>(v, 0, p * PACK);  // SHIFT: the other rows' not stored
 #pragma unroll
       for (int i = 0; i < PACK; ++i) v[i] = softmax_out<ALGO, T>(v[i], ms.m, rc);
       sr.template store<PACK>(v, 0, p * PACK);
@@ -358,6 +370,7 @@ __device__ __forceinline__ MaxSum<C> softmax_fill(const Load<T, C, STRIDED, SHIF
       C c[PACK];
 #pragma unroll
       for (int i = 0; i < PACK; ++i) c[i] = pack_value(v[u], i);
+      lr.win.template mask<PACK>(c, (p + u * stride) * PACK, -Math<C>::inf());
       ms.template add<PACK>(c);
     }
   }
@@ -415,6 +428,7 @@ __device__ __forceinline__ void softmax_cached(const Load<T, C, STRIDED, SHIFT>&
           C c[PACK];
 #pragma unroll
           for (int i = 0; i < PACK; ++i) c[i] = pack_value(nv[u], i);
+          ln.win.template mask<PACK>(c, (p + u * stride) * PACK, -Math<C>::inf());
           ms_next.template add<PACK>(c);
         }
       }
@@ -493,8 +507,8 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
 #pragma unroll
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK, c = col < vcols ? col : 0;
-            ry[r][p] = ly.template raw<PACK>(0, c);
-            rdy[r][p] = ldy.template raw<PACK>(0, c);
+            ry[r][p] = ly.template raw<PACK, false>(0, c);
+            rdy[r][p] = ldy.template raw<PACK, false>(0, c);
           }
         }
 #pragma unroll
@@ -517,12 +531,23 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
           for (int p = 0; p < NP; ++p) {
             const int col = (p * width + lane) * PACK;
             if (row0 + r < rows && col < vcols) {
-              ly.template load<PACK>(yb[r] + p * PACK, 0, col);
-              ldy.template load<PACK>(db[r] + p * PACK, 0, col);
+              ly.template load<PACK, false>(yb[r] + p * PACK, 0, col);
+              ldy.template load<PACK, false>(db[r] + p * PACK, 0, col);
             } else {
 #pragma unroll
               for (int i = 0; i < PACK; ++i) yb[r][p * PACK + i] = db[r][p * PACK + i] = C(0);
             }
+          }
+        }
+      }
+      if constexpr (SHIFT) {  // after every load: the other rows' elements of the end packs
+#pragma unroll
+        for (int r = 0; r < RPA; ++r) {
+          const auto w = ld_y.from_row(min(row0 + r, rows - 1)).win;
+#pragma unroll
+          for (int p = 0; p < NP; ++p) {
+            w.template mask<PACK>(yb[r] + p * PACK, (p * width + lane) * PACK, C(0));
+            w.template mask<PACK>(db[r] + p * PACK, (p * width + lane) * PACK, C(0));
           }
         }
       }
@@ -545,15 +570,30 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
 }
 
 // The cached backward's two steps on a pack: keep the pair (y, dy) in shared memory slot i and
-// add its grad terms to s; write dx of the pair held in slot i (row sum s).
-template <int ALGO, int PACK, typename T, typename C>
+// add its grad terms to s (the values of pack index q; SHIFT: those of its row, win); write dx
+// of the pair held in slot i (row sum s).
+template <int ALGO, int PACK, typename T, typename C, typename W>
 __device__ __forceinline__ void grad_cache_pair(Pack<T, PACK>* cache_y, Pack<T, PACK>* cache_dy,
                                                 int i, const Pack<T, PACK>& a,
-                                                const Pack<T, PACK>& b, C& s) {
+                                                const Pack<T, PACK>& b, C& s, const W& win,
+                                                int q) {
   cache_y[i].word = a.word;
   cache_dy[i].word = b.word;
+  if constexpr (W::kActive) {
+    C va[PACK], vb[PACK];
 #pragma unroll
-  for (int k = 0; k < PACK; ++k) s += grad_term<ALGO>(pack_value(a, k), pack_value(b, k));
+    for (int k = 0; k < PACK; ++k) {
+      va[k] = pack_value(a, k);
+      vb[k] = pack_value(b, k);
+    }
+    win.template mask<PACK>(va, q * PACK, C(0));
+    win.template mask<PACK>(vb, q * PACK, C(0));
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) s += grad_term<ALGO>(va[k], vb[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) s += grad_term<ALGO>(pack_value(a, k), pack_value(b, k));
+  }
 }
 template <int ALGO, int PACK, bool HOLD, typename T, typename C, bool STRIDED, bool SHIFT>
 __device__ __forceinline__ void grad_store_pair(const Store<C, T, STRIDED, SHIFT>& sr,
@@ -588,13 +628,14 @@ __device__ __forceinline__ C softmax_grad_fill(const Load<T, C, STRIDED, SHIFT>&
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0 + u * stride, a[u], b[u], s);
+      grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0 + u * stride, a[u], b[u], s, ly.win,
+                            p + u * stride);
     }
   }
   for (; p < p1; p += stride) {
     const Pack<T, PACK> a = pack_at<PACK, kGradHold<T>>(ly, p);
     const Pack<T, PACK> b = pack_at<PACK, kGradHold<T>>(ldy, p);
-    grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0, a, b, s);
+    grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0, a, b, s, ly.win, p);
   }
   return s;
 }
@@ -642,7 +683,8 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED, SH
       if (more) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0 + u * stride, na[u], nb[u], s_next);
+          grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0 + u * stride, na[u], nb[u], s_next,
+                                ny.win, p + u * stride);
         }
       }
     }
@@ -653,7 +695,7 @@ __device__ __forceinline__ void softmax_grad_cached(const Load<T, C, STRIDED, SH
         nb = pack_at<PACK, kGradHold<T>>(ndy, p);
       }
       grad_store_pair<ALGO, PACK, kGradHold<T>>(sr, cache_y, cache_dy, p - p0, p, s);
-      if (more) grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0, na, nb, s_next);
+      if (more) grad_cache_pair<ALGO>(cache_y, cache_dy, p - p0, na, nb, s_next, ny.win, p);
     }
     if (!more) {
       reduce.finish();  // after the stores: no block exits while a peer reads its state
@@ -694,14 +736,27 @@ __device__ __forceinline__ C softmax_grad_scan(const Load<T, C, STRIDED, SHIFT>&
     Pack<T, PACK> a[U], b[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      a[u] = ly.template raw<PACK>(0, (p + u * stride) * PACK);
-      b[u] = ldy.template raw<PACK>(0, (p + u * stride) * PACK);
+      a[u] = ly.template raw<PACK, false>(0, (p + u * stride) * PACK);
+      b[u] = ldy.template raw<PACK, false>(0, (p + u * stride) * PACK);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      if constexpr (SHIFT) {
+        C va[PACK], vb[PACK];
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) {
-        acc += grad_term<ALGO>(pack_value(a[u], i), pack_value(b[u], i));
+        for (int i = 0; i < PACK; ++i) {
+          va[i] = pack_value(a[u], i);
+          vb[i] = pack_value(b[u], i);
+        }
+        ly.win.template mask<PACK>(va, (p + u * stride) * PACK, C(0));
+        ly.win.template mask<PACK>(vb, (p + u * stride) * PACK, C(0));
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) acc += grad_term<ALGO>(va[i], vb[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) {
+          acc += grad_term<ALGO>(pack_value(a[u], i), pack_value(b[u], i));
+        }
       }
     }
   }
@@ -732,8 +787,8 @@ softmax_grad_block_uncached(const T* y, const T* dy, T* dx, i64 rows, int cols, 
     const auto sr = st.from_row(row);
     for (int p = threadIdx.x; p < num_packs; p += blockDim.x) {
       C a[PACK], b[PACK];
-      ly.template load<PACK>(a, 0, p * PACK);
-      ldy.template load<PACK>(b, 0, p * PACK);
+      ly.template load<PACK, false>(a, 0, p * PACK);  // SHIFT: the other rows' not stored
+      ldy.template load<PACK, false>(b, 0, p * PACK);
 #pragma unroll
       for (int i = 0; i < PACK; ++i) a[i] = grad_out<ALGO, T>(a[i], b[i], s);
       sr.template store<PACK>(a, 0, p * PACK);

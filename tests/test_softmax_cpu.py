@@ -99,9 +99,7 @@ SHIFTED = [
     (33, "float32", 16, Variant.WARP, 4, 36),
     (1001, "float16", 16, Variant.WARP, 8, 1008),
     (1017, "float16", 16, Variant.WARP, 8, 1024),  # the warp kernel's widest
-    (1018, "float16", 16, Variant.BLOCK_SMEM, 8, 1032),  # past it: a block
-    (1023, "float32", 16, Variant.BLOCK_SMEM, 4, 1028),
-    (1024, "float16", 2, Variant.BLOCK_SMEM, 8, 1032),  # rows starting 2 elements in
+    (1025, "float32", 16, Variant.BLOCK_SMEM, 4, 1028),
     (50257, "float16", 16, Variant.BLOCK_SMEM, 8, 50264),
     (10001, "float64", 16, Variant.BLOCK_SMEM, 2, 10002),
     (262143, "float32", 16, Variant.CLUSTER, 4, 262148),
@@ -127,6 +125,11 @@ def test_rows_off_the_grid_take_shifted_16_byte_packs(op, cols, dtype, align, va
     assert not plan_rowwise(op, 4096, cols, dtype, H100, strided=True).shifted
     assert not plan_rowwise(op, 4096, 1024, dtype, H100).shifted
     assert not plan_rowwise(op, 4096, 4 * pack - 1, dtype, H100).shifted
+    # nor rows the warp kernel holds whose packs would span more than it holds: narrow packs
+    for c, align in ((1023, 16), (1024, 2)):
+        if pack > align and planner.rowwise.shifted_cols(c, pack) > 1024:
+            p = plan_rowwise(op, 4096, c, dtype, H100, align_elems=align)
+            assert p.variant is Variant.WARP and not p.shifted, p
 
 
 def test_same_offsets():

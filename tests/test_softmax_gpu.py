@@ -12,6 +12,7 @@ import cukern
 from cukern import reference
 from cukern.ops import softmax as softmax_mod
 from cukern.plan import CLUSTER_SIZES, MAX_COLS, Variant, max_dynamic_smem
+from cukern.plan.rowwise import shifted_cols
 from cukern.registry import policy
 
 from .conftest import DTYPES, TOL, block_tail, cluster_tail
@@ -100,7 +101,11 @@ def variant_shapes(op, dtype):
               ((5, 64), Variant.WARP), ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
               ((300, 100), Variant.WARP),
               ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
-              ((2, edge - 1), Variant.BLOCK_SMEM), ((3, edge // wide * wide), Variant.BLOCK_SMEM)]
+              ((3, edge // wide * wide), Variant.BLOCK_SMEM)]
+    # a row of edge - 1 off the 16-byte grid is sized for the packs it may span (Plan.shifted)
+    span = shifted_cols(edge - 1, wide) if (edge - 1) % wide else edge - 1
+    past = Variant.CLUSTER if spec().has_clusters else Variant.BLOCK_UNCACHED
+    shapes.append(((2, edge - 1), Variant.BLOCK_SMEM if span <= edge else past))
     if spec().has_clusters:
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, (3 * edge) // wide * wide), Variant.CLUSTER),
@@ -124,10 +129,10 @@ def off_grid_shapes(op, dtype):
     """Rows off the 16-byte grid for every variant the shifted packs reach on this device."""
     edge = smem_edge(op, dtype)
     wide = 16 // ITEM[dtype]
-    shapes = [(5, 4 * wide + 1), (7, 101), (300, 999), (3, 1017), (3, 1018), (4, 4099),
+    shapes = [(5, 4 * wide + 1), (7, 101), (300, 999), (3, 1017), (3, 1031), (4, 4099),
               (3, edge - wide - 1)]
     if spec().has_clusters:
-        shapes += [(2, edge + 3), (3, 5 * edge // 2 + 1)]
+        shapes += [(2, edge + 3), (3, 5 * edge // 2 // wide * wide + 1)]
     return shapes + [(2, CLUSTER_SIZES[-1] * edge + wide * 64 + 3)]
 
 
@@ -502,7 +507,7 @@ def pinned_plans(op, dtype, rows, cols):
                                  smem_bytes=cache + cluster_tail(op, dtype, threads)))
     if pack * ITEM[dtype] < 16 and cols > 1:  # the same in shifted 16-byte packs
         wide = 16 // ITEM[dtype]
-        span = planner.rowwise.shifted_cols(cols, wide)
+        span = shifted_cols(cols, wide)
         for p in list(plans):
             if p.variant is Variant.WARP:
                 shifted = planner.plan_rowwise(op, rows, cols, dtype, dev)

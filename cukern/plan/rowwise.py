@@ -60,10 +60,14 @@ SHIFT_MIN_PACKS = 4
 
 
 def _shifted(pol: OpPolicy, dtype: str, cols: int, pack: int, strided: bool, shift_ok: bool,
-             sw: Switches) -> bool:
+             sw: Switches, tune: Tuning) -> bool:
+    """Shifted packs, but not where they would move a row the warp kernel holds to a block
+    (a row of up to 1024 columns whose packs span more)."""
     full = 16 // ITEMSIZE[dtype]
+    warp_max = tune.warp_max_cols_with_sums if pol.col_sums and sw.weight else tune.warp_max_cols
     return (pol.shifted_rows and shift_ok and not strided and pack < full
-            and cols >= SHIFT_MIN_PACKS * full and not sw.float32_params)
+            and cols >= SHIFT_MIN_PACKS * full and not sw.float32_params
+            and not cols <= warp_max < shifted_cols(cols, full))
 
 
 def shifted_cols(cols: int, pack: int) -> int:
@@ -121,7 +125,7 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
     tune = tuning_for(device)
     item = ITEMSIZE[dtype]
     pack = pack_size(dtype, cols, align_elems, strided)
-    shifted = _shifted(pol, dtype, cols, pack, strided, shift_ok, sw)
+    shifted = _shifted(pol, dtype, cols, pack, strided, shift_ok, sw, tune)
     if shifted:
         pack = 16 // ITEMSIZE[dtype]
     base = dict(op=pol.op, dtype=dtype, rows=rows, cols=cols, pack_size=pack, strided=strided,
