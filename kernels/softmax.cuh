@@ -138,13 +138,14 @@ template <bool HOLD, typename V> __device__ __forceinline__ V held(V v) {
 }
 // SHIFT: the pack as read (a pack past the row's last: the last), the other rows' elements left
 // to the caller's win.mask; stores of the row's end packs element by element (Store).
+// (Held pointers for shifted rows cost the float backward 3-6 points of copy at 2025-16361
+// columns, H200.)
 template <int PACK, bool HOLD, typename T, typename C, bool STRIDED, bool SHIFT>
 __device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED, SHIFT>& lr, int q) {
-  if constexpr (STRIDED || !HOLD) {
+  if constexpr (STRIDED || SHIFT || !HOLD) {
     return lr.template raw<PACK, false>(0, q * PACK);
   } else {
     Pack<T, PACK> v;
-    if constexpr (SHIFT) q = min(q, lr.win.last / PACK);
     v.word = reinterpret_cast<const typename Pack<T, PACK>::word_t*>(lr.ptr)[q];
     return v;
   }
@@ -152,9 +153,7 @@ __device__ __forceinline__ Pack<T, PACK> pack_at(const Load<T, C, STRIDED, SHIFT
 template <int PACK, bool HOLD, typename C, typename T, bool STRIDED, bool SHIFT>
 __device__ __forceinline__ void store_pack(const Store<C, T, STRIDED, SHIFT>& sr, int q,
                                            const C* v) {
-  bool whole = true;
-  if constexpr (SHIFT) whole = !sr.win.partial(q * PACK, PACK);
-  if (STRIDED || !HOLD || !whole) {
+  if constexpr (STRIDED || SHIFT || !HOLD) {
     sr.template store<PACK>(v, 0, q * PACK);
   } else {
     T e[PACK];
@@ -198,9 +197,12 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
       // the first max of one row waited for its loads before the next row's were issued. One
       // row a pass keeps the guarded loads (no such wait; held raw, many small packs took up to
       // three times the registers), and so does double (spills).
-      // Shifted rows (SHIFT) take it too: their masks waited for the first loads before the
-      // last ones were issued.
-      constexpr bool CLAMPED = (RPA > 1 || SHIFT) && sizeof(T) < 8;
+      // Shifted float rows of 32 values a lane (SHIFT) take it too: their masks waited for the
+      // first loads before the last ones were issued (H200, 1001 columns: 77.8 -> 98.4% of
+      // copy); float at 16 values a lane and 16-bit at 32 ran 10-13 points slower with it
+      // (more registers, fewer warps).
+      constexpr bool CLAMPED =
+          (RPA > 1 || (SHIFT && sizeof(T) == 4 && CPT == 32)) && sizeof(T) < 8;
       if constexpr (CLAMPED) {
         Pack<T, PACK> raw[RPA][NP];
 #pragma unroll
@@ -500,7 +502,10 @@ softmax_grad_warp(const T* y, const T* dy, T* dx, i64 rows, int cols, i64 inner,
       const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
       C yb[RPA][CPT], db[RPA][CPT];
       Sums<C, RPA> s;
-      if constexpr ((RPA > 1 || SHIFT) && PACK * sizeof(T) == 16 && sizeof(T) < 8) {
+      // Shifted 16-bit rows (SHIFT) take it too (H200, float16 1001 columns: 67.2 -> 101.8% of
+      // copy; float 102.0 -> 89.9, which keeps the guarded loads).
+      if constexpr ((RPA > 1 || (SHIFT && sizeof(T) == 2)) && PACK * sizeof(T) == 16 &&
+                    sizeof(T) < 8) {
         // As in softmax_warp: every load issued, unconditionally, before any is used (0 past the
         // end). One row a pass, packs under 16 bytes and double keep the guarded loads: there,
         // unconditional loads of the log-softmax's y (not in its sum) were issued after the first
