@@ -94,10 +94,10 @@ def test_pack_respects_alignment_and_stride():
 # (cols, dtype, align_elems) of rows off the 16-byte grid -> (variant, pack, cols the plan is
 # sized for: the most a row's packs span, its first element anywhere in its first pack)
 SHIFTED = [
-    (34, "float16", 16, Variant.WARP, 8, 48),  # 4 packs or more
-    (62, "float16", 16, Variant.WARP, 8, 72),
-    (33, "float32", 16, Variant.WARP, 4, 36),
+    (513, "float16", 16, Variant.WARP, 8, 520),  # warp rows: 32 values a lane either way
+    (700, "float16", 16, Variant.WARP, 8, 712),
     (1001, "float16", 16, Variant.WARP, 8, 1008),
+    (1001, "float32", 16, Variant.WARP, 4, 1004),
     (1017, "float16", 16, Variant.WARP, 8, 1024),  # the warp kernel's widest
     (1025, "float32", 16, Variant.BLOCK_SMEM, 4, 1028),
     (50257, "float16", 16, Variant.BLOCK_SMEM, 8, 50264),
@@ -125,6 +125,9 @@ def test_rows_off_the_grid_take_shifted_16_byte_packs(op, cols, dtype, align, va
     assert not plan_rowwise(op, 4096, cols, dtype, H100, strided=True).shifted
     assert not plan_rowwise(op, 4096, 1024, dtype, H100).shifted
     assert not plan_rowwise(op, 4096, 4 * pack - 1, dtype, H100).shifted
+    # nor warp rows whose shifted packs would leave slots empty that narrow packs fill
+    for c in (33, 127, 255, 333, 511):
+        assert not plan_rowwise(op, 4096, c, dtype, H100).shifted, c
     # nor rows the warp kernel holds whose packs would span more than it holds: narrow packs
     for c, align in ((1023, 16), (1024, 2)):
         if pack > align and planner.rowwise.shifted_cols(c, pack) > 1024:

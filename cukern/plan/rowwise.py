@@ -61,13 +61,27 @@ SHIFT_MIN_PACKS = 4
 
 def _shifted(pol: OpPolicy, dtype: str, cols: int, pack: int, strided: bool, shift_ok: bool,
              sw: Switches, tune: Tuning) -> bool:
-    """Shifted packs, but not where they would move a row the warp kernel holds to a block
-    (a row of up to 1024 columns whose packs span more)."""
+    """Shifted packs for rows past the warp kernel; a warp row takes them only where they
+    fill 32 values a lane in no more lanes and slots than its narrow packs do."""
     full = 16 // ITEMSIZE[dtype]
+    if not (pol.shifted_rows and shift_ok and not strided and pack < full
+            and cols >= SHIFT_MIN_PACKS * full and not sw.float32_params):
+        return False
     warp_max = tune.warp_max_cols_with_sums if pol.col_sums and sw.weight else tune.warp_max_cols
-    return (pol.shifted_rows and shift_ok and not strided and pack < full
-            and cols >= SHIFT_MIN_PACKS * full and not sw.float32_params
-            and not cols <= warp_max < shifted_cols(cols, full))
+    return cols > warp_max or shifted_warp_fits(cols, pack, full, warp_max)
+
+
+def shifted_warp_fits(cols: int, pack: int, full: int, warp_max: int) -> bool:
+    """A warp row of ``cols`` in narrow packs of ``pack`` that shifted packs of ``full`` serve
+    as well: 32 values a lane, no more slots. Rows with packs just past a power of two leave
+    half the shifted slots empty: H200, softmax float16 127-511 columns 42-65% of copy shifted
+    against 65-87% in 1-element packs; at 1001-1017 columns (32 a lane) 87-102% against 67-96."""
+    span = shifted_cols(cols, full)
+    if span > warp_max:
+        return False
+    width, cpt, _, _ = warp_shape(span, full, 1)
+    narrow_width, narrow_cpt, _, _ = warp_shape(cols, pack, 1)
+    return cpt == 32 and width * cpt <= narrow_width * narrow_cpt
 
 
 def shifted_cols(cols: int, pack: int) -> int:
@@ -399,8 +413,9 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
         widths = range(pack, tune.warp_max_cols + 1, pack)
         if shifted:  # the packs a row covers at most, as plan_rowwise sizes them
             widths = sorted({shifted_cols(c, pack) for c in range(SHIFT_MIN_PACKS * pack,
-                                                                  tune.warp_max_cols + 1)}
-                            - set(range(tune.warp_max_cols + 1, 2 * tune.warp_max_cols)))
+                                                                  tune.warp_max_cols + 1)
+                             if any(shifted_warp_fits(c, p, pack, tune.warp_max_cols)
+                                    for p in packs if p < pack)})
         shapes = {warp_shape(cols, pack, rows, two_packs=n, four_packs=f)
                   for cols, rows, (n, f) in itertools.product(widths, (1, 2), lanes)}
         for width, cpt, rpa, padding in shapes:  # each distinct shape once
