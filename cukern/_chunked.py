@@ -31,7 +31,7 @@ import numpy as np
 
 from ._io import RunError, _size
 
-__all__ = ["Meter", "Result", "as_rows", "auto_chunk_rows", "run", "tiles"]
+__all__ = ["Meter", "Result", "as_rows", "auto_chunk_rows", "phase_rows", "run", "tiles"]
 
 HOST_TILE_BYTES = 256 << 20  # pinned bytes per slot (inputs + outputs); PCIe is saturated well
 # below this, and two slots of it stay a small share of host memory.
@@ -68,6 +68,16 @@ def tiles(p: int, q: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
         for i in range(p):
             for q0 in range(0, q, rows):
                 yield i, i + 1, q0, min(q0 + rows, q)
+
+
+def phase_rows(rows: int, m: int) -> int:
+    """Rows a tile of whole rows of ``m`` elements takes on the GPU: a multiple of the rows
+    after which a row's offset in its 16-byte word repeats (``16 / gcd(m, 16)``, for elements
+    of any size), where at least that many fit, so every row sits at the offset it has in one
+    piece. The softmax kernels read rows off the 16-byte grid in 16-byte packs of memory
+    (``Plan.shifted``), and a row's sums follow its offset."""
+    period = 16 // math.gcd(m, 16)
+    return rows // period * period if rows >= period else rows
 
 
 def _max_rows(p: int, q: int, rows: int) -> int:
@@ -120,6 +130,8 @@ def run(fn: Callable, inputs: list[np.ndarray], results: list[Result], sinks: li
     if inputs[0].size == 0:  # no rows, or rows of no elements: nothing to compute
         return sums
     rows = chunk_rows or auto_chunk_rows(inputs, results, device, work_dtype)
+    if device != "cpu" and q == 1:
+        rows = phase_rows(rows, inputs[0].shape[1])
     report = progress or (lambda rows, nbytes: None)
     if device == "cpu":
         _run_cpu(fn, inputs, results, sinks, sums, tiles(p, q, rows), report)

@@ -262,6 +262,20 @@ def test_tiles_cover_every_row_once():
         assert (seen == 1).all()
 
 
+def test_gpu_tiles_start_where_the_row_offsets_repeat():
+    from cukern._chunked import phase_rows
+
+    for m in (1, 2, 3, 700, 1500, 3000, 4096, 50257):
+        period = 16 // np.gcd(m, 16)
+        for rows in (1, 3, 7, 16, 33, 100, 1000):
+            got = phase_rows(rows, m)
+            if rows >= period:  # every tile's first row at a multiple of 16 bytes of any element
+                assert 0 < got <= rows and got % period == 0 and (got * m) % 16 == 0, (m, rows)
+                assert rows - got < period
+            else:  # not even one period fits: the rows as asked
+                assert got == rows
+
+
 # ------------------------------------------------------------------------------------------
 # Atomic outputs, refusals
 
