@@ -206,6 +206,17 @@ __device__ __forceinline__ void store_lane_packs(const St& st, i64 row, int widt
   }
 }
 
+// Puts `fill` in place of the other rows' elements in the packs a warp kernel's lane holds
+// (laid out as for store_lane_packs): a shifted row's end packs (RowWindow).
+template <int NP, int PACK, typename W, typename C>
+__device__ __forceinline__ void mask_lane_packs(const W& win, int width, int lane, C fill,
+                                                C* v) {
+#pragma unroll
+  for (int p = 0; p < NP; ++p) {
+    win.template mask<PACK>(v + p * PACK, (p * width + lane) * PACK, fill);
+  }
+}
+
 // The dynamic shared memory this launch was given.
 __device__ __forceinline__ unsigned dynamic_smem_bytes() {
   unsigned n;

@@ -241,11 +241,8 @@ softmax_warp(const T* x, T* y, i64 rows, int cols, i64 inner, CUKERN_LAYOUT_ARGS
       if constexpr (SHIFT) {  // after every load: the other rows' elements of the end packs
 #pragma unroll
         for (int r = 0; r < RPA; ++r) {
-          const auto w = ld.from_row(min(row0 + r, rows - 1)).win;
-#pragma unroll
-          for (int p = 0; p < NP; ++p) {
-            w.template mask<PACK>(buf[r] + p * PACK, (p * width + lane) * PACK, -Math<C>::inf());
-          }
+          mask_lane_packs<NP, PACK>(ld.from_row(min(row0 + r, rows - 1)).win, width, lane,
+                                    -Math<C>::inf(), buf[r]);
         }
       }
 #pragma unroll
