@@ -75,7 +75,8 @@ def shifted_warp_fits(cols: int, pack: int, full: int, warp_max: int) -> bool:
     """A warp row of ``cols`` in narrow packs of ``pack`` that shifted packs of ``full`` serve
     as well: 32 values a lane, no more slots. Rows with packs just past a power of two leave
     half the shifted slots empty: H200, softmax float16 127-511 columns 42-65% of copy shifted
-    against 65-87% in 1-element packs; at 1001-1017 columns (32 a lane) 87-102% against 67-96."""
+    against 65-87% in 1-element packs; at 1001 columns (32 a lane) every op and dtype 98-104%
+    against 70-105 (docs/notes/softmax.md)."""
     span = shifted_cols(cols, full)
     if span > warp_max:
         return False
