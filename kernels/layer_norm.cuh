@@ -17,14 +17,17 @@ namespace cukern {
 
 // x, or x + residual rounded to the storage type (the sum a separate add would produce), which is
 // then also written to h: the "add then norm" of a transformer block in one read of each input.
-template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
-  Load<T, C, false> x, res;
-  Store<C, T, false> h;
+// SHIFT (rows off the 16-byte grid): from_row() gives a row's window (memory.cuh, RowWindow),
+// whose loads leave the other rows' elements of its end packs as read, for the kernel to mask
+// (win()); the view itself reads in row coordinates (its window never clamps: shift()).
+template <typename T, typename C, bool RESIDUAL, bool SHIFT = false> struct SkipLoad {
+  Load<T, C, false, SHIFT> x, res;
+  Store<C, T, false, SHIFT> h;
   template <int N> __device__ __forceinline__ void load(C* dst, i64 row, int col) const {
-    x.template load<N>(dst, row, col);
+    x.template load<N, false>(dst, row, col);
     if (RESIDUAL) {
       C r[N];
-      res.template load<N>(r, row, col);
+      res.template load<N, false>(r, row, col);
 #pragma unroll
       for (int i = 0; i < N; ++i) dst[i] = Num<T>::to(Num<T>::from(dst[i] + r[i]));
       h.template store<N>(dst, row, col);
@@ -36,8 +39,8 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
   };
   template <int N> __device__ __forceinline__ Raw<N> fetch(i64 row, int col) const {
     Raw<N> r;
-    r.x = x.template raw<N>(row, col);
-    if (RESIDUAL) r.res = res.template raw<N>(row, col);
+    r.x = x.template raw<N, false>(row, col);
+    if (RESIDUAL) r.res = res.template raw<N, false>(row, col);
     return r;
   }
   template <int N>
@@ -50,8 +53,12 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     if (RESIDUAL) h.template store<N>(dst, row, col);
   }
   // Prefetches `count` columns of a row from `col` into L2 (prefetch_l2: 16-byte aligned, a
-  // multiple of 16 bytes), of x and of the residual.
+  // multiple of 16 bytes), of x and of the residual (SHIFT: up to the row's last pack).
   __device__ __forceinline__ void prefetch(i64 row, int col, int count) const {
+    if constexpr (SHIFT) {
+      count = min(count, x.win.last + 16 / static_cast<int>(sizeof(T)) - col);
+      if (count <= 0) return;
+    }
     prefetch_l2(x.ptr + x.at.offset(row, col), count * sizeof(T));
     if (RESIDUAL) prefetch_l2(res.ptr + res.at.offset(row, col), count * sizeof(T));
   }
@@ -83,6 +90,11 @@ template <typename T, typename C, bool RESIDUAL> struct SkipLoad {
     }
     return v;
   }
+  // SHIFT: row `row`'s window, and the window of its elements among its packs
+  __device__ __forceinline__ SkipLoad from_row(i64 row) const {
+    return SkipLoad{x.from_row(row), res.from_row(row), h.from_row(row)};
+  }
+  __device__ __forceinline__ const RowWindow<T, SHIFT>& win() const { return x.win; }
 
  private:
   // x (+ residual, rounded to T) of a fetched column, without writing h
@@ -117,12 +129,26 @@ template <int ALGO, int W> constexpr int kBias = ALGO == kLayerNorm ? W : kAbsen
 // params() and store_with() split store() for a caller that writes several rows of the same
 // columns (gamma and beta loaded and converted once).
 // P: the parameters' type (T, or float for 16-bit T in the uncached kernel; see norm.cuh).
-template <typename C, typename T, int W, int B, typename P = T> struct AffineStore {
+// SHIFT (rows off the 16-byte grid): from_row() gives a row's window of y, and gamma and beta
+// shifted to it (ShiftedParam, in `shifted`).
+template <typename T, bool SHIFT> struct ShiftedParams {};
+template <typename T> struct ShiftedParams<T, true> {
+  ShiftedParam<T> gamma, beta;
+};
+template <typename C, typename T, int W, int B, typename P = T, bool SHIFT = false>
+struct AffineStore {
   static_assert(W >= kAbsent && W <= kRuntime && B >= kAbsent && B <= kRuntime, "W, B: 0-2");
   static_assert((W == kRuntime) == (B == kRuntime) || (W == kRuntime && B == kAbsent),
                 "run-time presence: both, or gamma alone (RMS norm)");
-  Store<C, T, false> y;
+  static_assert(!SHIFT || sizeof(P) == sizeof(T), "SHIFT: parameters of the data's type");
+  Store<C, T, false, SHIFT> y;
   Load<P, C, false> gamma, beta;  // one row each (row 0); with kRuntime, ptr null where absent
+  ShiftedParams<T, SHIFT> shifted;
+  __device__ __forceinline__ AffineStore from_row(i64 row) const {
+    const Store<C, T, false, SHIFT> yr = y.from_row(row);
+    return AffineStore{yr, gamma, beta,
+                       {shifted.gamma.at_row(yr.win.lo), shifted.beta.at_row(yr.win.lo)}};
+  }
   __device__ __forceinline__ bool weight() const {
     return W == kPresent || (W == kRuntime && gamma.ptr != nullptr);
   }
@@ -131,13 +157,25 @@ template <typename C, typename T, int W, int B, typename P = T> struct AffineSto
   }
   template <int N> __device__ __forceinline__ void params(C* w, C* b, int col) const {
     if (weight()) {
-      load_param<N>(gamma, w, col);
+      if constexpr (SHIFT) {
+        const Pack<T, N> q = shifted.gamma.raw(col);
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = pack_value(q, i);
+      } else {
+        load_param<N>(gamma, w, col);
+      }
     } else if (W == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = C(1);
     }
     if (bias()) {
-      load_param<N>(beta, b, col);
+      if constexpr (SHIFT) {
+        const Pack<T, N> q = shifted.beta.raw(col);
+#pragma unroll
+        for (int i = 0; i < N; ++i) b[i] = pack_value(q, i);
+      } else {
+        load_param<N>(beta, b, col);
+      }
     } else if (B == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = C(0);
@@ -175,13 +213,21 @@ template <typename C, typename T, int W, int B, typename P = T> struct AffineSto
   template <int N> __device__ __forceinline__ Params<N> fetch(int col) const {
     Params<N> p;
     if (weight()) {
-      p.w = gamma.template raw<N>(0, col);
+      if constexpr (SHIFT) {
+        p.w = shifted.gamma.raw(col);
+      } else {
+        p.w = gamma.template raw<N>(0, col);
+      }
     } else if (W == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) p.w.elem[i] = storage_one<T>();
     }
     if (bias()) {
-      p.b = beta.template raw<N>(0, col);
+      if constexpr (SHIFT) {
+        p.b = shifted.beta.raw(col);
+      } else {
+        p.b = beta.template raw<N>(0, col);
+      }
     } else if (B == kRuntime) {
       p.b.word = typename Pack<T, N>::word_t{};  // +0 in every storage type
     }
@@ -216,16 +262,25 @@ template <typename C, bool TWO_STEP> struct Centre {
 
 // The sum of squared deviations at(x) over this thread's cached packs p0 + threadIdx.x +
 // j * blockDim.x of [p0, p1) (slice-local in the cache): values only this thread wrote, so no
-// barrier.
-template <int PACK, typename T, typename C, bool TWO_STEP>
+// barrier. `win` (SHIFT): the other rows' values of the row's end packs count 0.
+template <int PACK, typename T, typename C, bool TWO_STEP, bool SHIFT>
 __device__ __forceinline__ C own_squares(const SmemRow<T, C, PACK>& cache,
-                                         const Centre<C, TWO_STEP>& at, int p0, int p1) {
+                                         const Centre<C, TWO_STEP>& at, int p0, int p1,
+                                         const RowWindow<T, SHIFT>& win) {
   C q = C(0);
   for (int p = p0 + static_cast<int>(threadIdx.x); p < p1; p += blockDim.x) {
     C v[PACK];
     cache.get(p - p0, v);
+    if constexpr (SHIFT) {
 #pragma unroll
-    for (int i = 0; i < PACK; ++i) q += at(v[i]) * at(v[i]);
+      for (int i = 0; i < PACK; ++i) v[i] = at(v[i]);
+      win.template mask<PACK>(v, p * PACK, C(0));
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) q += v[i] * v[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) q += at(v[i]) * at(v[i]);
+    }
   }
   return q;
 }
@@ -271,29 +326,69 @@ __device__ __forceinline__ void put_stats(C* mean, C* rstd, i64 row, C m, C rs) 
       typename Num<T>::compute eps, i64 rows, int cols, i64 sx, i64 sr, i64 sy, i64 sh
 #define CUKERN_NORM_FWD_ARGS x, res, gamma, beta, y, h, mean, rstd, eps, rows, cols, sx, sr, sy, sh
 
-// W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime); P: their type.
-#define CUKERN_NORM_FWD_SETUP(W, B, P)                                                         \
+// The forward's views of x (+ residual, h) and of y (+ gamma, beta). SHIFT: views in row
+// coordinates (a window that never clamps), rows' windows through from_row().
+template <typename T, typename C, bool RESIDUAL, bool SHIFT>
+__device__ __forceinline__ SkipLoad<T, C, RESIDUAL, SHIFT> norm_input(const T* x, i64 sx,
+                                                                      const T* res, i64 sr, T* h,
+                                                                      i64 sh, int cols) {
+  if constexpr (SHIFT) {
+    const RowWindow<T, true> w{0, cols, 0x7fffffff, T{}};
+    return {{x, rows_at(sx), w}, {res, rows_at(sr), w}, {h, rows_at(sh), w}};
+  } else {
+    return {{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};
+  }
+}
+template <typename C, typename T, int W, int B, typename P, bool SHIFT>
+__device__ __forceinline__ AffineStore<C, T, W, B, P, SHIFT> norm_output(T* y, i64 sy,
+                                                                         const P* gamma,
+                                                                         const P* beta, int cols) {
+  if constexpr (SHIFT) {
+    return {{y, rows_at(sy), {0, cols, 0x7fffffff, T{}}},
+            {gamma, rows_at(0)},
+            {beta, rows_at(0)},
+            {ShiftedParam<T>::of(gamma, cols), ShiftedParam<T>::of(beta, cols)}};
+  } else {
+    return {{y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}};
+  }
+}
+
+// W, B: how AffineStore has gamma and beta (kAbsent, kPresent, kRuntime); P: their type; SH:
+// rows off the 16-byte grid in 16-byte packs of memory (SHIFT).
+#define CUKERN_NORM_FWD_SETUP(W, B, P, SH)                                                     \
   typedef typename Num<T>::compute C;                                                          \
   static_assert(ALGO == kLayerNorm || ALGO == kRMSNorm, "ALGO: 0 layer norm, 1 RMS norm");     \
   /* layer norm works on x - K; float and double data normalise (x - K) - mean' in two steps,   \
      half and bfloat16 data x - (K + mean') in one (see the top of this file) */                 \
-  constexpr bool SHIFT = ALGO == kLayerNorm;                                                   \
-  constexpr bool TWO_STEP = SHIFT && sizeof(T) >= 4;                                           \
+  constexpr bool SHIFT_K = ALGO == kLayerNorm;                                                 \
+  constexpr bool TWO_STEP = SHIFT_K && sizeof(T) >= 4;                                         \
   (void)TWO_STEP;                                                                              \
   unsigned phase = 0; /* allreduce_block's buffer phase */                                     \
   (void)phase;                                                                                 \
-  const SkipLoad<T, C, RESIDUAL> ld{{x, rows_at(sx)}, {res, rows_at(sr)}, {h, rows_at(sh)}};   \
+  const auto ld = norm_input<T, C, RESIDUAL, SH>(x, sx, res, sr, h, sh, cols);                 \
   static_assert(ALGO == kLayerNorm || (B) == kAbsent, "RMS norm has no bias");                \
-  const AffineStore<C, T, (W), (B), P> st{                                                     \
-      {y, rows_at(sy)}, {gamma, rows_at(0)}, {beta, rows_at(0)}}
+  const auto st = norm_output<C, T, (W), (B), P, SH>(y, sy, gamma, beta, cols)
 
 // The warp kernel's shift K of a row (norm.cuh): the median of its first three values (columns
 // clamped to the row), from lane 0's first pack when it holds them (one shuffle), else
 // shuffled from the lanes that do (`buf`: this lane's registers of the row, pack p * width +
-// lane in slot p).
-template <int PACK, int CPT, typename C>
-__device__ __forceinline__ C warp_shift(const C* buf, int cols, int width, int log_width) {
-  if constexpr (PACK >= 3) {
+// lane in slot p). SHIFT: a row of 4 packs or more whose values begin at column lo of its
+// packs, in lane 0's and lane 1's first pack.
+template <int PACK, int CPT, bool SHIFT = false, typename C>
+__device__ __forceinline__ C warp_shift(const C* buf, int cols, int width, int log_width,
+                                        int lo = 0) {
+  if constexpr (SHIFT) {
+    C v[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = lo + i;
+      C mine = buf[0];
+#pragma unroll
+      for (int j = 1; j < PACK; ++j) mine = j == (c & (PACK - 1)) ? buf[j] : mine;
+      v[i] = __shfl_sync(0xffffffffu, mine, c / PACK, width);
+    }
+    return median3(v[0], v[1], v[2]);
+  } else if constexpr (PACK >= 3) {
     return __shfl_sync(0xffffffffu, median3(buf[0], buf[1], buf[2]), 0, width);
   } else {
     constexpr int REGS = CPT < 3 * PACK ? CPT : 3 * PACK;  // registers that can hold them
@@ -314,43 +409,55 @@ __device__ __forceinline__ C warp_shift(const C* buf, int cols, int width, int l
 // Warp kernel. Block (width, 128 / width); thread group y owns RPA rows at a time; lane l holds
 // packs p at columns (p * width + l) * PACK, so a group's accesses are coalesced. Slots past the
 // end of the row (padding) hold 0 and are left out of the variance. The row loop is uniform
-// across the block, so every lane reaches every shuffle.
-template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL, int W, int B>
+// across the block, so every lane reaches every shuffle. SHIFT (one row a group): columns of
+// the row's packs of memory (vcols), the other rows' values masked out of both sums.
+template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL, int W, int B,
+          bool SHIFT>
 __device__ __forceinline__ void layer_norm_warp_rows(CUKERN_NORM_FWD_PARAMS(T)) {
-  CUKERN_NORM_FWD_SETUP(W, B, T);
+  CUKERN_NORM_FWD_SETUP(W, B, T, SHIFT);
   static_assert(CPT % PACK == 0, "cols_per_thread must be a multiple of pack_size");
+  static_assert(!SHIFT || RPA == 1, "SHIFT: one row a group");
   constexpr int NP = CPT / PACK;
   const int width = blockDim.x, lane = threadIdx.x;
   const C inv_cols = C(1) / C(cols);
   const int log_width = __ffs(width) - 1;
+  const int vcols = SHIFT ? row_packs<PACK, SHIFT>(cols) * PACK : cols;  // on its packs' grid
   const i64 step = static_cast<i64>(gridDim.x) * blockDim.y * RPA;
   for (i64 base = static_cast<i64>(blockIdx.x) * blockDim.y * RPA; base < rows; base += step) {
     const i64 row0 = base + static_cast<i64>(threadIdx.y) * RPA;
     C buf[RPA][CPT];  // layer norm: x - K; RMS norm: x
     Sums<C, 1> s[RPA];
     C k[RPA], m[RPA];  // the shift K and the mean of x - K
+    const auto lx = row_view<SHIFT>(ld, row0);  // SHIFT: row0's window
 #pragma unroll
     for (int r = 0; r < RPA; ++r) {
       const bool valid = row0 + r < rows;
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
         const int col = (p * width + lane) * PACK;
-        if (valid && col < cols) {
-          ld.template load<PACK>(buf[r] + p * PACK, row0 + r, col);
+        if (valid && col < vcols) {
+          lx.template load<PACK>(buf[r] + p * PACK, row_in_view<SHIFT>(row0 + r), col);
         } else {
 #pragma unroll
           for (int i = 0; i < PACK; ++i) buf[r][p * PACK + i] = C(0);
         }
       }
-      k[r] = SHIFT ? warp_shift<PACK, CPT>(buf[r], cols, width, log_width) : C(0);
+      if constexpr (SHIFT) {
+        k[r] = SHIFT_K ? warp_shift<PACK, CPT, true>(buf[r], cols, width, log_width, lx.win().lo)
+                       : C(0);
+        // after every load: the other rows' values K (0 once K is taken) or 0
+        mask_lane_packs<NP, PACK>(lx.win(), width, lane, k[r], buf[r]);
+      } else {
+        k[r] = SHIFT_K ? warp_shift<PACK, CPT>(buf[r], cols, width, log_width) : C(0);
+      }
       s[r].v[0] = C(0);
 #pragma unroll
       for (int p = 0; p < NP; ++p) {
-        if ((p * width + lane) * PACK >= cols) continue;  // padding stays 0
+        if ((p * width + lane) * PACK >= vcols) continue;  // padding stays 0
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
           C& v = buf[r][p * PACK + i];
-          if (SHIFT) v -= k[r];
+          if (SHIFT_K) v -= k[r];
           s[r].v[0] += ALGO == kLayerNorm ? v : v * v;
         }
       }
@@ -361,10 +468,12 @@ __device__ __forceinline__ void layer_norm_warp_rows(CUKERN_NORM_FWD_PARAMS(T)) 
     for (int r = 0; r < RPA; ++r) {
       if (ALGO == kLayerNorm) {  // second pass: squared deviations from the exact mean
         m[r] = s[r].v[0] * inv_cols;
+        // the other rows' values: the mean, no deviation
+        if constexpr (SHIFT) mask_lane_packs<NP, PACK>(lx.win(), width, lane, m[r], buf[r]);
         s[r].v[0] = C(0);
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
-          if ((p * width + lane) * PACK >= cols) continue;
+          if ((p * width + lane) * PACK >= vcols) continue;
 #pragma unroll
           for (int i = 0; i < PACK; ++i) {
             const C d = buf[r][p * PACK + i] - m[r];
@@ -385,27 +494,30 @@ __device__ __forceinline__ void layer_norm_warp_rows(CUKERN_NORM_FWD_PARAMS(T)) 
       rs[r] = Math<C>::rsqrt(s[r].v[0] * inv_cols + eps);
       if (lane == 0 && row0 + r < rows) put_stats<ALGO>(mean, rstd, row0 + r, k[r] + m[r], rs[r]);
     }
+    const auto sy = row_view<SHIFT>(st, row0);  // SHIFT: row0's window, gamma and beta to it
 #pragma unroll
     for (int p = 0; p < NP; ++p) {
       const int col = (p * width + lane) * PACK;
-      if (col >= cols) continue;
+      if (col >= vcols) continue;
       C w[PACK], b[PACK];  // gamma and beta once for the RPA rows
-      st.template params<PACK>(w, b, col);
+      sy.template params<PACK>(w, b, col);
 #pragma unroll
       for (int r = 0; r < RPA; ++r) {
         if (row0 + r >= rows) continue;
         C out[PACK];
 #pragma unroll
         for (int i = 0; i < PACK; ++i) out[i] = (buf[r][p * PACK + i] - m[r]) * rs[r];
-        st.template store_with<PACK>(out, w, b, row0 + r, col);
+        sy.template store_with<PACK>(out, w, b, row_in_view<SHIFT>(row0 + r), col);
       }
     }
   }
 }
-template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL, bool AFFINE>
+template <typename T, int ALGO, int PACK, int CPT, int RPA, bool RESIDUAL, bool AFFINE,
+          bool SHIFT = false>
 __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)) {
   constexpr int W = AFFINE ? kPresent : kRuntime;
-  layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, W, kBias<ALGO, W>>(CUKERN_NORM_FWD_ARGS);
+  layer_norm_warp_rows<T, ALGO, PACK, CPT, RPA, RESIDUAL, W, kBias<ALGO, W>, SHIFT>(
+      CUKERN_NORM_FWD_ARGS);
 }
 
 // The rows loop of the cached forward kernels (block and cluster): packs [p0, p1) of R rows at
@@ -425,13 +537,19 @@ __global__ void __launch_bounds__(128) layer_norm_warp(CUKERN_NORM_FWD_PARAMS(T)
 // registers while it writes this row's y from the cache, and puts them in the slots it has just
 // written out (its own: no barrier), summing as it goes. A block then keeps memory busy on its
 // own, for some 20 more registers a thread. Measurements: docs/notes/kernels.md, "Forward norms".
-template <int ALGO, bool SHIFT, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, int V,
-          int R, typename T, typename C, typename Ld, typename St, typename Reduce>
+//
+// SHIFT (R = 1; rows off the 16-byte grid): packs [p0, p1) of the row's packs of memory (its
+// window), cached whole; the other rows' values of its end packs count as K (0 once K is taken)
+// or 0 in the sums and 0 in the squared deviations, and the block's count is of its own
+// values. SHIFT_K: layer norm's shift K (norm.cuh).
+template <int ALGO, bool SHIFT_K, bool TWO_STEP, bool RESIDUAL, bool OVERLAP, int PACK, int V,
+          int R, bool SHIFT, typename T, typename C, typename Ld, typename St, typename Reduce>
 __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, const St& st,
                                           const T* x, i64 sx, C* mean, C* rstd, C eps, i64 row,
                                           i64 rows, i64 step, int cols, int p0, int p1,
                                           bool writer, Reduce reduce) {
   static_assert(R >= 1 && (R == 1 || !OVERLAP), "R rows a pass: 1 with OVERLAP");
+  static_assert(!SHIFT || R == 1, "SHIFT: one row a pass");
   constexpr bool ASYNC = !RESIDUAL && PACK * sizeof(T) >= 4;
   constexpr int U = RESIDUAL ? 2 : 4;  // packs of the next row in registers per thread
   const int stride = blockDim.x;
@@ -443,13 +561,19 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   // Block kernels over packs of 4 or more values load K's three values as one 4-value word (the
   // row's first pack is aligned): one load a thread where three cost layer norm float16 3.7
   // points of copy at 2048 columns on the H200.
-  constexpr bool VECTOR_K = SHIFT && ASYNC && !Reduce::kCluster && PACK >= 4;
+  constexpr bool VECTOR_K = SHIFT_K && ASYNC && !Reduce::kCluster && PACK >= 4 && !SHIFT;
   // x + residual (not OVERLAP: its later rows load ahead on their own) through scan_fetched,
   // one pack at a time (two in flight took 7-20 more registers and ran 1-5 points slower)
   constexpr bool FETCHED = RESIDUAL && !OVERLAP;
+  // SHIFT: the other rows' values of a row's end packs, as its first sums count them
+  auto mask = [&](const Ld& lr, C* v, int col, C kr) {
+    lr.win().template mask<PACK>(v, col, ALGO == kLayerNorm ? kr : C(0));
+  };
   auto fill = [&]() {  // the pass's rows into the cache, and s
 #pragma unroll
     for (int r = 0; r < R; ++r) {
+      const Ld lr = row_view<SHIFT>(ld, row + r);  // SHIFT: the row's window
+      const i64 rr = row_in_view<SHIFT>(row + r);
       s[r] = C(0);
       if constexpr (VECTOR_K) {
         k[r] = C(0);
@@ -461,25 +585,42 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       } else if constexpr (FETCHED) {
         k[r] = C(0);
       } else {
-        k[r] = SHIFT && has(r) ? ld.shift(row + r, cols) : C(0);
+        k[r] = SHIFT_K && has(r) ? ld.shift(row + r, cols) : C(0);
       }
       if (!has(r)) continue;
       if constexpr (ASYNC) {
-        const T* src = x + (row + r) * sx;
-        for (int p = p0 + threadIdx.x; p < p1; p += stride) {
-          cp_async<PACK * sizeof(T)>(cache(r).base + (p - p0) * PACK, src + p * PACK);
+        if constexpr (SHIFT) {  // a pack past the row's last reads the last
+          for (int p = p0 + threadIdx.x; p < p1; p += stride) {
+            cp_async<PACK * sizeof(T)>(cache(r).base + (p - p0) * PACK,
+                                       lr.x.ptr + min(p * PACK, lr.win().last));
+          }
+        } else {
+          const T* src = x + (row + r) * sx;
+          for (int p = p0 + threadIdx.x; p < p1; p += stride) {
+            cp_async<PACK * sizeof(T)>(cache(r).base + (p - p0) * PACK, src + p * PACK);
+          }
         }
       } else if constexpr (FETCHED) {
         // K's loads and the first packs' are in flight together (the median waits on both)
         const auto ks = ld.shift_fetch(row + r, cols);
         scan_fetched<C, PACK, 1>(
-            ld, row + r, p0, p1, [&]() { k[r] = SHIFT ? ld.shift_of(ks) : C(0); },
+            lr, rr, p0, p1, [&]() { k[r] = SHIFT_K ? ld.shift_of(ks) : C(0); },
             [&](int p, const C* v) {
-              cache(r).put(p - p0, v);
-              add_pack<ALGO, T, PACK>(s[r], v, k[r]);
+              if constexpr (SHIFT) {
+                C u[PACK];
+#pragma unroll
+                for (int i = 0; i < PACK; ++i) u[i] = v[i];
+                mask(lr, u, p * PACK, k[r]);
+                cache(r).put(p - p0, u);
+                add_pack<ALGO, T, PACK>(s[r], u, k[r]);
+              } else {
+                cache(r).put(p - p0, v);
+                add_pack<ALGO, T, PACK>(s[r], v, k[r]);
+              }
             });
       } else {
-        scan_packs<C, PACK, PACK, 4>(ld, row + r, p0, p1, [&](int p, const C* v) {
+        scan_packs<C, PACK, PACK, 4>(lr, rr, p0, p1, [&](int p, C* v) {
+          if constexpr (SHIFT) mask(lr, v, p * PACK, k[r]);
           cache(r).put(p - p0, v);
           add_pack<ALGO, T, PACK>(s[r], v, k[r]);
         });
@@ -490,9 +631,11 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (!has(r)) continue;
+        const Ld lr = row_view<SHIFT>(ld, row + r);
         for (int p = p0 + threadIdx.x; p < p1; p += stride) {
           C v[PACK];
           cache(r).get(p - p0, v);
+          if constexpr (SHIFT) mask(lr, v, p * PACK, k[r]);
           add_pack<ALGO, T, PACK>(s[r], v, k[r]);
         }
       }
@@ -512,10 +655,16 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       OVERLAP && Reduce::kCluster && sizeof(T) <= 4 && PACK * sizeof(T) == 16;
   typedef typename St::template Params<PACK> Par;
   const int first = p0 + static_cast<int>(threadIdx.x);  // this thread's first pack
+  St sr = st;  // SHIFT: the pass's row's window of y, gamma and beta shifted to it
   auto fetch_params = [&](int p, Par* par, int n) {  // gamma and beta of n packs from pack p
 #pragma unroll
     for (int u = 0; u < n; ++u) {
-      if (p + u * stride < p1) par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
+      if (p + u * stride >= p1) continue;
+      if constexpr (SHIFT) {
+        par[u] = sr.template fetch<PACK>((p + u * stride) * PACK);
+      } else {
+        par[u] = st.template fetch<PACK>((p + u * stride) * PACK);
+      }
     }
   };
   // PREFETCH: the first quarter of this block's packs of row r, in spans of 4 KiB, one a
@@ -523,14 +672,16 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
   auto prefetch_quarter = [&](i64 r) {
     constexpr int SPAN = 4096 / (PACK * static_cast<int>(sizeof(T)));  // packs a prefetch
     const int packs = (p1 - p0) / 4;
+    const Ld lr = row_view<SHIFT>(ld, r);
     for (int c = static_cast<int>(threadIdx.x) - 32; c >= 0 && c * SPAN < packs; c += stride) {
-      ld.prefetch(r, (p0 + c * SPAN) * PACK, min(SPAN, packs - c * SPAN) * PACK);
+      lr.prefetch(row_in_view<SHIFT>(r), (p0 + c * SPAN) * PACK, min(SPAN, packs - c * SPAN) * PACK);
     }
   };
   for (;;) {
     Par par[V];
     Par ahead[EARLY_OVERLAP ? U : 1];  // EARLY_OVERLAP: the first U packs' gamma and beta
     if (!OVERLAP) fill();
+    if constexpr (SHIFT) sr = st.from_row(row);
     const i64 next = row + step;
     const bool more = next < rows;  // uniform across the block (and the cluster)
     auto early = [&]() {  // while the cluster barrier is pending
@@ -542,7 +693,10 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
     if constexpr (ALGO == kLayerNorm) {
       // the block's exact mean, then the squared deviations from it: two all-reduces; a
       // cluster merges its blocks' (count, mean, M2) by Chan's formula
-      const C n = C((p1 - p0) * PACK);
+      const auto win = row_view<SHIFT>(ld, row).win();
+      int count = (p1 - p0) * PACK;  // the row's values in the block's packs
+      if constexpr (SHIFT) count = max(0, min(win.hi, p1 * PACK) - max(win.lo, p0 * PACK));
+      const C n = C(count);
       Sums<C, R> sb, q;
 #pragma unroll
       for (int r = 0; r < R; ++r) sb.v[r] = s[r];
@@ -550,7 +704,8 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         sb.v[r] = n > C(0) ? sb.v[r] / n : C(0);  // the block's mean
-        q.v[r] = has(r) ? own_squares<PACK>(cache(r), Centre<C, TWO_STEP>{k[r], sb.v[r]}, p0, p1)
+        q.v[r] = has(r) ? own_squares<PACK>(cache(r), Centre<C, TWO_STEP>{k[r], sb.v[r]}, p0, p1,
+                                            win)
                         : C(0);
       }
       if constexpr (Reduce::kOneBuffer) __syncthreads();  // every thread has read sb's partials
@@ -588,7 +743,11 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
       cache(r).get(q - p0, v);
 #pragma unroll
       for (int i = 0; i < PACK; ++i) v[i] = at(v[i]) * rs[r];
-      st.template store_fetched<PACK>(v, par, row + r, q * PACK);
+      if constexpr (SHIFT) {
+        sr.template store_fetched<PACK>(v, par, 0, q * PACK);
+      } else {
+        st.template store_fetched<PACK>(v, par, row + r, q * PACK);
+      }
     };
     if constexpr (!OVERLAP) {
       // gamma and beta of V packs in flight at once, then their stores (see AffineStore)
@@ -604,14 +763,16 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
         }
       }
     } else {
-      const C k_next = SHIFT && more ? ld.shift(next, cols) : C(0);
+      const C k_next = SHIFT_K && more ? ld.shift(next, cols) : C(0);
+      const Ld ln = row_view<SHIFT>(ld, next);  // SHIFT: the next row's window
+      const i64 rn = row_in_view<SHIFT>(next);
       s[0] = C(0);
       for (int p = p0 + threadIdx.x; p < p1; p += U * stride) {
         typename Ld::template Raw<PACK> nv[U];
         if (more) {
 #pragma unroll
           for (int u = 0; u < U; ++u) {
-            if (p + u * stride < p1) nv[u] = ld.template fetch<PACK>(next, (p + u * stride) * PACK);
+            if (p + u * stride < p1) nv[u] = ln.template fetch<PACK>(rn, (p + u * stride) * PACK);
           }
         }
 #pragma unroll
@@ -619,7 +780,11 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
           const int q = p + u * stride;
           if (q >= p1) break;
           // the next row's loads are in flight
-          write(0, q, EARLY_OVERLAP && p == first ? ahead[u] : st.template fetch<PACK>(q * PACK));
+          if constexpr (SHIFT) {
+            write(0, q, EARLY_OVERLAP && p == first ? ahead[u] : sr.template fetch<PACK>(q * PACK));
+          } else {
+            write(0, q, EARLY_OVERLAP && p == first ? ahead[u] : st.template fetch<PACK>(q * PACK));
+          }
         }
         if (more) {
 #pragma unroll
@@ -627,7 +792,8 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
             const int q = p + u * stride;
             if (q >= p1) break;
             C v[PACK];
-            ld.template finish<PACK>(nv[u], v, next, q * PACK);
+            ln.template finish<PACK>(nv[u], v, rn, q * PACK);
+            if constexpr (SHIFT) mask(ln, v, q * PACK, k_next);
             cache(0).put(q - p0, v);
             add_pack<ALGO, T, PACK>(s[0], v, k_next);
           }
@@ -645,18 +811,19 @@ __device__ __forceinline__ void norm_rows(T* smem, int slice, const Ld& ld, cons
 
 // Block kernel with the row cached in shared memory (cols values of T; see norm_rows).
 // Grid-stride over rows; any block size that is a multiple of 32.
-template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP, int W, int B>
+template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP, int W, int B, bool SHIFT>
 __device__ __forceinline__ void layer_norm_block_smem_rows(CUKERN_NORM_FWD_PARAMS(T)) {
-  CUKERN_NORM_FWD_SETUP(W, B, T);
+  CUKERN_NORM_FWD_SETUP(W, B, T, SHIFT);
   BlockReduce<> reduce;
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1>(
+  norm_rows<ALGO, SHIFT_K, TWO_STEP, RESIDUAL, OVERLAP, PACK, 1, 1, SHIFT>(
       dynamic_smem<T>(), 0, ld, st, x, sx, mean, rstd, eps, blockIdx.x, rows, gridDim.x, cols, 0,
-      cols / PACK, true, reduce);
+      row_packs<PACK, SHIFT>(cols), true, reduce);
 }
-template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP, bool AFFINE>
+template <typename T, int ALGO, int PACK, bool RESIDUAL, bool OVERLAP, bool AFFINE,
+          bool SHIFT = false>
 __global__ void __launch_bounds__(1024) layer_norm_block_smem(CUKERN_NORM_FWD_PARAMS(T)) {
   constexpr int W = AFFINE ? kPresent : kRuntime;
-  layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, W, kBias<ALGO, W>>(
+  layer_norm_block_smem_rows<T, ALGO, PACK, RESIDUAL, OVERLAP, W, kBias<ALGO, W>, SHIFT>(
       CUKERN_NORM_FWD_ARGS);
 }
 
@@ -667,11 +834,11 @@ template <typename T, int ALGO, int PACK, bool RESIDUAL, typename P = T>
 __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FWD_PARAMS(P)) {
   static_assert(sizeof(P) == sizeof(T) || (sizeof(T) == 2 && sizeof(P) == 4),
                 "P: T, or float for 16-bit T");
-  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, P);
+  CUKERN_NORM_FWD_SETUP(kRuntime, ALGO == kLayerNorm ? kRuntime : kAbsent, P, false);
   const Load<T, C, false> again{RESIDUAL ? h : x, rows_at(RESIDUAL ? sh : sx)};
   const int num_packs = cols / PACK;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const C k = SHIFT ? ld.shift(row, cols) : C(0);  // the shift K
+    const C k = SHIFT_K ? ld.shift(row, cols) : C(0);  // the shift K
     C m = C(0), var;  // m: the mean of x - K
     if (ALGO == kLayerNorm) {
       Welford<C> w = Welford<C>::identity();
@@ -712,13 +879,14 @@ __global__ void __launch_bounds__(1024) layer_norm_block_uncached(CUKERN_NORM_FW
 // slice, read from L2 for every row, would double or triple what the block reads besides x.
 // WEIGHT and BIAS are template switches here, not null pointers: run-time presence cost these
 // kernels 1-6 points of copy speed (AffineStore). CLUSTER blocks a cluster, or with CLUSTER == 0
-// the size set at launch (layer_norm_cluster_dyn, cluster.cuh).
+// the size set at launch (layer_norm_cluster_dyn, cluster.cuh). SHIFT: as norm_rows (16-byte
+// packs, so never with the size set at launch).
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
-          bool OVERLAP, int MIN_BLOCKS, int ROWS>
+          bool OVERLAP, int MIN_BLOCKS, int ROWS, bool SHIFT>
 __device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   static_assert(MIN_BLOCKS == 1 || MIN_BLOCKS == 3, "MIN_BLOCKS: 1, or 3 blocks of <= 512 threads");
   static_assert(ROWS == 1 || ROWS == 2, "ROWS: 1 or 2 rows a pass");
-  CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS, T);
+  CUKERN_NORM_FWD_SETUP(WEIGHT, BIAS, T, SHIFT);
   constexpr int V = MIN_BLOCKS == 3 && sizeof(T) <= 4 && ROWS == 1 ? 2 : 1;
   const unsigned rank = cluster_rank();
   // every reduction buffer in the tail of the dynamic shared memory (memory.cuh): no static ones
@@ -727,23 +895,23 @@ __device__ __forceinline__ void cluster_rows(CUKERN_NORM_FWD_PARAMS(T)) {
   // two rows a pass: the block all-reduce's one buffer (plan.rowwise.tail_scratch), so that three
   // blocks of two 16-bit rows of 16384 columns keep the 196 KiB carveout step (kernels.md)
   ClusterReduce<CLUSTER, MERGE, ROWS == 2 ? 1 : 2> reduce;
-  const int num_packs = cols / PACK, n = reduce.n;
+  const int num_packs = row_packs<PACK, SHIFT>(cols), n = reduce.n;
   int p0, p1;
   cluster_pack_range(num_packs, n, rank, p0, p1);
   const int slice = (num_packs + n - 1) / n * PACK;  // the widest block's
   const i64 cluster = CLUSTER > 0 ? blockIdx.x / CLUSTER : cluster_index();
   const i64 clusters = CLUSTER > 0 ? gridDim.x / CLUSTER : cluster_count();
-  norm_rows<ALGO, SHIFT, TWO_STEP, RESIDUAL, OVERLAP, PACK, V, ROWS>(
+  norm_rows<ALGO, SHIFT_K, TWO_STEP, RESIDUAL, OVERLAP, PACK, V, ROWS, SHIFT>(
       dynamic_smem<T>(), slice, ld, st, x, sx, mean, rstd, eps, cluster * ROWS, rows,
       clusters * ROWS, cols, p0, p1, rank == 0, reduce);
 }
 
 template <typename T, int ALGO, int PACK, int CLUSTER, bool WEIGHT, bool BIAS, bool RESIDUAL,
-          bool OVERLAP, int MIN_BLOCKS, int ROWS>
+          bool OVERLAP, int MIN_BLOCKS, int ROWS, bool SHIFT = false>
 __global__ void __cluster_dims__(CLUSTER, 1, 1)
 __launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
 layer_norm_cluster(CUKERN_NORM_FWD_PARAMS(T)) {
-  cluster_rows<T, ALGO, PACK, CLUSTER, WEIGHT, BIAS, RESIDUAL, OVERLAP, MIN_BLOCKS, ROWS>(
+  cluster_rows<T, ALGO, PACK, CLUSTER, WEIGHT, BIAS, RESIDUAL, OVERLAP, MIN_BLOCKS, ROWS, SHIFT>(
       CUKERN_NORM_FWD_ARGS);
 }
 
@@ -751,7 +919,7 @@ template <typename T, int ALGO, int PACK, bool WEIGHT, bool BIAS, bool RESIDUAL,
           int MIN_BLOCKS, int ROWS>
 __global__ void __launch_bounds__(MIN_BLOCKS == 1 ? 1024 : 512, MIN_BLOCKS)
 layer_norm_cluster_dyn(CUKERN_NORM_FWD_PARAMS(T)) {
-  cluster_rows<T, ALGO, PACK, 0, WEIGHT, BIAS, RESIDUAL, OVERLAP, MIN_BLOCKS, ROWS>(
+  cluster_rows<T, ALGO, PACK, 0, WEIGHT, BIAS, RESIDUAL, OVERLAP, MIN_BLOCKS, ROWS, false>(
       CUKERN_NORM_FWD_ARGS);
 }
 #endif

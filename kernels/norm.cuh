@@ -82,6 +82,59 @@ __device__ __forceinline__ void load_param(const Load<P, C, false>& ld, C* dst, 
   }
 }
 
+// Rows off the 16-byte grid (SHIFT; memory.cuh's RowWindow) meet their parameters at another
+// offset: window column col of a row whose first element sits `lo` elements into its 16-byte
+// word takes parameter element col - lo. raw() reads the two 16-byte words those N elements span
+// (clamped to the parameter's own words: what would come from outside them belongs to no column
+// of the row, and is never stored) and shifts them in registers by a count the same for the
+// whole row: two selects a word, and a funnel shift for 2-byte elements.
+template <typename T> struct ShiftedParam {
+  static constexpr int N = 16 / sizeof(T);
+  const T* base;  // the parameter's first 16-byte word
+  int delta;      // its element 0's place in that word, less the row's lo
+  int last;       // the first element (from base) of its last 16-byte word
+  __device__ __forceinline__ static ShiftedParam of(const T* p, int cols) {
+    const int g = static_cast<int>(reinterpret_cast<unsigned long long>(p) & 15) /
+                  static_cast<int>(sizeof(T));
+    return ShiftedParam{p - g, g, (g + cols - 1) & -N};
+  }
+  // the same parameter for a row whose window starts `lo` into its word (from of())
+  __device__ __forceinline__ ShiftedParam at_row(int lo) const {
+    return ShiftedParam{base, delta - lo, last};
+  }
+  __device__ __forceinline__ Pack<T, N> raw(int col) const {
+    const int t = col + delta, a = t & -N;  // t: the first element wanted, from base
+    const uint4 lo = *reinterpret_cast<const uint4*>(base + min(max(a, 0), last));
+    const uint4 hi = *reinterpret_cast<const uint4*>(base + min(a + N, last));
+    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const int bytes = (t - a) * static_cast<int>(sizeof(T));  // 0..15
+    unsigned u[6], v[5];
+#pragma unroll
+    for (int k = 0; k < 6; ++k) u[k] = (bytes & 8) ? w[k + 2] : w[k];
+#pragma unroll
+    for (int k = 0; k < 5; ++k) v[k] = (bytes & 4) ? u[k + 1] : u[k];
+    unsigned o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o[k] = sizeof(T) == 2 ? __funnelshift_r(v[k], v[k + 1], (bytes & 2) * 8) : v[k];
+    }
+    Pack<T, N> p;
+    p.word = make_uint4(o[0], o[1], o[2], o[3]);
+    return p;
+  }
+};
+
+// A view for one row's accesses: SHIFT, the row's window (memory.cuh, from_row), whose row 0 is
+// the row; else the view itself, indexed by the row (row_in_view).
+template <bool SHIFT, typename V> __device__ __forceinline__ V row_view(const V& v, i64 row) {
+  if constexpr (SHIFT) {
+    return v.from_row(row);
+  } else {
+    return v;
+  }
+}
+template <bool SHIFT> __device__ __forceinline__ i64 row_in_view(i64 row) { return SHIFT ? 0 : row; }
+
 // Calls f(p, v) for the packs p of [p0, p1) that this thread owns in a block kernel
 // (p0 + threadIdx.x, then steps of blockDim.x), keeping U loads in flight. `ld` writes VALS
 // values per pack. Every pass of a block kernel visits the packs with this same mapping, so a
