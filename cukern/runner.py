@@ -370,21 +370,33 @@ class AuxLaunch(RawLaunch):
 
 
 def plan_for(op: str, dtype: str, device_id: int, rows: int, cols: int, pointers, row_strides,
-             *, strided: bool = False, switches: _plan.Switches | None = None) -> _plan.Plan:
+             *, strided: bool = False, switches: _plan.Switches | None = None,
+             row_pointers=None) -> _plan.Plan:
     """The plan of ``op`` for a (rows, cols) view on a live device: its arrays' pointers and
-    row strides (elements) set the vector width, and the driver answers occupancy."""
+    row strides (elements) set the vector width, and the driver answers occupancy.
+    ``row_pointers``: the pointers of the arrays whose rows must start at the same offset for
+    shifted packs (Plan.shifted), where not all are (the norms' gamma and beta are shifted to
+    each row in the kernel); default ``pointers``."""
     item = _plan.ITEMSIZE[dtype]
     strides = row_strides if rows > 1 else []
     align = align_elems(item, pointers, strides)
+    shift_ok = same_offsets(item, pointers if row_pointers is None else row_pointers, strides)
     return _plan.plan_rowwise(op, rows, cols, dtype, device_spec(device_id),
                               driver_occupancy(device_id), align_elems=align, strided=strided,
-                              switches=switches, shift_ok=same_offsets(item, pointers, strides))
+                              switches=switches, shift_ok=shift_ok)
 
 
 def same_offsets(item: int, pointers, strides) -> bool:
     """Every row of every array starts at the same offset within its 16-byte word: pointers
     congruent modulo 16 bytes, row strides (elements) modulo 16 bytes."""
     return len({p % 16 for p in pointers}) <= 1 and len({s * item % 16 for s in strides}) <= 1
+
+
+def pointer_offsets(arrays) -> tuple:
+    """Each array's address modulo 16 (None for an absent one): what a launch that may take
+    shifted packs was planned for (part of its cache key; an OR cannot tell arrays whose rows
+    share an offset from others)."""
+    return tuple(None if a is None else a.data.ptr & 15 for a in arrays)
 
 
 def pointer_bits(arrays) -> int:

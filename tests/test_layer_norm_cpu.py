@@ -183,10 +183,10 @@ def test_name_expressions():
     assert p.variant is Variant.CLUSTER and p.overlap
     assert p.name_expression() == \
         f"cukern::layer_norm_cluster<float, 1, 4, {p.cluster}, true, false, true, true, 1, 1>"
-    # packs under 16 bytes (a misaligned or odd row): the cluster's size is set at launch, and
-    # is not a template argument
+    # packs under 16 bytes (a misaligned or odd row whose arrays start at other offsets, so no
+    # shifted packs): the cluster's size is set at launch, and is not a template argument
     p = plan_rowwise("layer_norm", 512, 262144, "float32", H100, align_elems=2,
-                     switches=Switches(weight=True))
+                     switches=Switches(weight=True), shift_ok=False)
     assert (p.variant, p.pack_size, p.launch_cluster) == (Variant.CLUSTER, 2, p.cluster)
     assert p.cluster in (2, 4, 8, 16)
     assert p.name_expression() == \
@@ -861,6 +861,17 @@ def test_reachable_sets():
             names = reachable(op, dt, H100)
             kernels = [n for n in names if "param_grad" not in n]
             assert set(kernels) == planner.reachable_plans(op, dt, H100)
+            # rows off the 16-byte grid (the forward): the SHIFT twin (last argument true) of a
+            # warp, block or cluster instantiation of 16-byte packs, never of the uncached ones
+            plain = planner.reachable_plans(replace(pol, shifted_rows=False), dt, H100)
+            twins = set(kernels) - plain
+            assert bool(twins) == (op not in BWD) == pol.shifted_rows, op
+            for n in twins:
+                assert n.endswith(", true>") and n[:-len(", true>")] + ">" in plain, n
+                assert int(n.split(", ")[2]) * ITEM[dt] == 16, n
+                assert "_uncached<" not in n and "_dyn<" not in n, n
+                assert not n.endswith(", 2, true>"), n  # one row a pass
+            kernels = [n for n in kernels if n not in twins]
             # float32 weight and bias of 16-bit data: the uncached kernels alone, P = float, for
             # each of their instantiations with P = T (every pack, with a residual or not; the
             # backward's with a weight)

@@ -94,6 +94,8 @@ def name_expression(plan: Plan) -> str:
         args.append(_tf(affine(pol, sw)))
     if sw.float32_params:  # the parameters' type P (the uncached kernels only)
         args.append(CPP_TYPES["float32"])
+    if plan.shifted:  # the last template argument, SHIFT (never of the uncached kernels)
+        args.append("true")
     dyn = "_dyn" if plan.launch_cluster > 1 else ""
     if dyn and plan.cluster not in LAUNCH_CLUSTER_SIZES:  # the kernel traps on any other
         raise ValueError(f"plan: a cluster of {plan.cluster} blocks sized at launch; "
@@ -123,7 +125,8 @@ _TF = (False, True)
 _FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
                 switches=("weight", "bias", "residual"), overlap_with_residual=True,
                 split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16,
-                cluster_at_launch_below=16, tail_scratch_words=1)
+                cluster_at_launch_below=16, tail_scratch_words=1, shifted_rows=True,
+                shifted_uncached=False, shifted_pairs=False)
 _BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2, smem_align=128,
                  switches=("weight",), switch_sets=(Switches(), Switches(weight=True)))
 

@@ -140,8 +140,9 @@ def fresh_key(op: str, args, extra: tuple):
     """The fast-path key of a call (None when an argument rules the fast path out): ``args``
     are the CuPy arrays (or None) the kernels would read, a PyTorch tensor's
     :class:`~cukern.runner.TensorView` for it. Flat: each array's shape, strides, dtype and
-    device, and the OR of their pointers' low bits (the alignment the plan was made for); None
-    arguments add an empty tuple."""
+    device, and their pointers' low four bits side by side (the alignment the plan was made
+    for, and whether their rows start at the same offset: Plan.shifted); None arguments add
+    an empty tuple."""
     nd, tv = c.cp.ndarray, c.TensorView
     key = [op]
     bits = 0
@@ -149,7 +150,7 @@ def fresh_key(op: str, args, extra: tuple):
         if type(a) is nd or type(a) is tv:
             data = a.data
             key += (a.shape, a.strides, a.dtype, data.device_id)
-            bits |= data.ptr
+            bits = bits << 4 | (data.ptr & 15)
         elif a is None:
             key.append(())
         else:
@@ -159,7 +160,7 @@ def fresh_key(op: str, args, extra: tuple):
             hash(extra)  # the arrays' part always hashes
         except TypeError:  # an unhashable argument (an array for eps, say)
             return None
-    key.append(bits & 15)
+    key.append(bits)
     key += extra
     return tuple(key)
 

@@ -257,12 +257,14 @@ def _forward_checked(op: str, x, normalized_shape, weight, bias, eps, residual, 
             sy = view.s_outer
             sw = _plan.Switches(w is not None, b is not None, r is not None, pf32)
             arrays = (xv, rv, w, b, yv, h)
-            key = (op, dev, dtype, xa.shape, k, sx, sr, sy, sw, c.pointer_bits(arrays))
+            key = (op, dev, dtype, xa.shape, k, sx, sr, sy, sw, c.pointer_offsets(arrays))
             launch = _launches.get(key)
             if launch is None:
                 plan = c.plan_for(op, dtype, dev, rows, cols,
                                   [a.data.ptr for a in arrays if a is not None],
-                                  [sx, sy] + ([sr] if rv is not None else []), switches=sw)
+                                  [sx, sy] + ([sr] if rv is not None else []), switches=sw,
+                                  row_pointers=[a.data.ptr for a in (xv, rv, yv, h)
+                                                if a is not None])
                 tail = (np.int64(rows), np.int32(cols), np.int64(sx), np.int64(sr),
                         np.int64(sy), np.int64(cols))
                 launch = _launches[key] = _Launches(c.Launch(plan, dev, tail))

@@ -440,6 +440,10 @@ class OpPolicy:
     # rows off the 16-byte grid (a length or start that is not a multiple of 16 bytes) take
     # 16-byte packs on memory's grid, their end packs masked (Plan.shifted; the kernels' SHIFT)
     shifted_rows: bool = False
+    # ... in the uncached kernel too (else a row too long for the cached kernels takes narrow
+    # packs), and in clusters of two rows a pass (else one)
+    shifted_uncached: bool = True
+    shifted_pairs: bool = True
     # the family's signature: plan -> C++ name expression
     signature: Callable = field(default=None, repr=False, compare=False)
     # switch combinations this op's kernels were built for: the default first

@@ -164,7 +164,8 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
 
     smem_per_col = item * pol.inputs
     overlap = pol.overlap_with_residual and sw.residual
-    paired = rows >= 2 and cols >= tune.paired_min_cols and _may_pair(pol, sw, dtype)
+    paired = rows >= 2 and cols >= tune.paired_min_cols and _may_pair(pol, sw, dtype) and \
+        (pol.shifted_pairs or not shifted)
     smem = cols * smem_per_col + pol.smem_align
 
     @functools.cache
@@ -225,6 +226,10 @@ def plan_rowwise(op, rows: int, cols: int, dtype: str, device: DeviceSpec,
                             paired=paired)
         if plan is not None:
             return plan
+    if shifted and not pol.shifted_uncached:  # the uncached kernel of narrow packs
+        return plan_rowwise(op, rows, base["cols"], dtype, device, occupancy,
+                            align_elems=align_elems, strided=strided, switches=switches,
+                            shift_ok=False)
     return _uncached(base, sums, device, rows)
 
 
@@ -427,8 +432,10 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
         for threads, o in itertools.product((128,) + tune.block_sizes, overlaps):
             if not sums:
                 add(Variant.BLOCK_SMEM, threads, overlap=o)
-        add(Variant.BLOCK_UNCACHED, tune.uncached_block)
-        if pol.float32_params and item == 2 and not strided and (sw.weight or sw.bias):
+        if pol.shifted_uncached or not shifted:
+            add(Variant.BLOCK_UNCACHED, tune.uncached_block)
+        if pol.float32_params and item == 2 and not (strided or shifted) and \
+                (sw.weight or sw.bias):
             base["switches"] = replace(sw, float32_params=True)
             add(Variant.BLOCK_UNCACHED, tune.uncached_block)
             base["switches"] = sw
@@ -439,7 +446,7 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
             for size, threads in itertools.product(
                     tune.cluster_sizes, {*tune.cluster_shared, *tune.cluster_blocks}):
                 add(Variant.CLUSTER, threads, cluster=size, overlap=overlaps[-1])
-            if _may_pair(pol, sw, dtype):
+            if _may_pair(pol, sw, dtype) and (pol.shifted_pairs or not shifted):
                 for size, threads in itertools.product(tune.cluster_sizes, tune.cluster_shared):
                     if size <= tune.paired_max_cluster:
                         add(Variant.CLUSTER, threads, cluster=size, rows_per_pass=2)
