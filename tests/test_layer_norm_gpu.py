@@ -15,6 +15,7 @@ from cukern import reference, runner
 from cukern.families import norm
 from cukern.ops import layer_norm as ln_mod
 from cukern.plan import CLUSTER_SIZES, MAX_COLS, Switches, Variant, max_dynamic_smem
+from cukern.plan.rowwise import shifted_cols
 from cukern.registry import policy
 
 from .conftest import DTYPES, TOL, cluster_tail, col_sums_expected
@@ -127,7 +128,13 @@ def variant_shapes(op, dtype, weight=False):
               ((3, 32 * wide), Variant.WARP),
               ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
               ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
-              ((2, edge - 1), at_edge), ((3, edge // wide * wide), at_edge)]
+              ((3, edge // wide * wide), at_edge)]
+    # a forward row of edge - 1 off the 16-byte grid is sized for the packs it may span
+    # (Plan.shifted): past the edge, a cluster where there are clusters
+    span = shifted_cols(edge - 1, wide) if policy(op).shifted_rows and (edge - 1) % wide \
+        else edge - 1
+    shapes.append(((2, edge - 1), at_edge if span <= edge or not spec().has_clusters
+                   else Variant.CLUSTER))
     if spec().has_clusters:
         shapes += [((2, (edge // wide + 1) * wide), Variant.CLUSTER),
                    ((3, 3 * edge // wide * wide), Variant.CLUSTER),
@@ -303,12 +310,16 @@ def test_forward_uncached_at_short_rows(op, dtype, rng, monkeypatch):
 def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
     """Grids of two blocks (or two clusters) over 9 rows, so that each loops over rows: the
     cached kernels' row loops, both ways with a residual (blocks that take turns, and blocks
-    that load their next row while they write this one: Plan.overlap). Odd columns give packs
-    of one element; the rest end in partial strides of the block."""
+    that load their next row while they write this one: Plan.overlap). Odd columns take
+    shifted 16-byte packs, and packs of one element where the arrays' rows would start at
+    other offsets (forced); the rest end in partial strides of the block."""
     from dataclasses import replace
 
     planned = runner.plan_for
     overlap = [False]
+    narrow = [False]
+    same_offsets = runner.same_offsets
+    monkeypatch.setattr(runner, "same_offsets", lambda *a: not narrow[0] and same_offsets(*a))
 
     def two_groups(*args, **kwargs):
         plan = planned(*args, **kwargs)
@@ -327,8 +338,9 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
     if spec().has_clusters:
         cases += [((edge // wide + 1) * wide, Variant.CLUSTER),
                   (3 * (edge // wide) * wide + 1, Variant.CLUSTER)]
-    for (cols, variant), weight, bias, residual in (
-            (case, *switches) for case in cases for switches in combos(op)):
+    for (cols, variant), weight, bias, residual, narrow[0] in (
+            (case, *switches, n) for case in cases for switches in combos(op)
+            for n in ((False, True) if case[0] % 2 else (False,))):
         for overlap[0] in ((False, True) if residual else (False,)):
             ln_mod._launches.clear()  # plan afresh: the launch cache knows nothing of overlap
             ln_mod._fresh.clear()
@@ -342,6 +354,7 @@ def test_forward_blocks_loop_over_rows(op, dtype, rng, monkeypatch):
                 check_lone(plan, residual)
             else:
                 assert plan.variant is variant, plan
+            assert plan.shifted is (cols % 2 == 1 and not narrow[0]), plan
             assert plan.grid == 2 * plan.cluster, plan
             # clusters overlap their rows exactly when there is a residual
             want = overlap[0] if plan.variant is Variant.BLOCK_SMEM else residual
@@ -438,7 +451,8 @@ def test_forward_cluster_launch_bounds(op, dtype, rng, monkeypatch):
                                  op == "layer_norm")
             assert plan.threads == threads[0] and not plan.overlap, plan
             assert norm.min_blocks(plan) == want
-            assert plan.name_expression().endswith(f", {want}, {plan.rows_per_pass}>")
+            shift = ", true" if plan.shifted else ""  # odd columns: shifted packs (SHIFT)
+            assert plan.name_expression().endswith(f", {want}, {plan.rows_per_pass}{shift}>")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -468,6 +482,9 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
         return replace(plan, grid=(clusters[0] or passes) * plan.cluster)
 
     _force_cluster_plans(monkeypatch, paired)
+    # rows off the 16-byte grid in packs of one element: two rows a pass have one window each
+    # time, so shifted packs never pair (Plan.shifted)
+    monkeypatch.setattr(runner, "same_offsets", lambda *a: False)
     edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, False)
     wide = 16 // ITEM[dtype]
     switches = ((True, True), (True, False), (False, True), (False, False)) \
@@ -482,12 +499,13 @@ def test_forward_paired_rows(op, dtype, rng, monkeypatch):
 
 
 def _variant_cases(op, dtype):
-    """Columns that reach the warp, block, cluster (Hopper) and uncached kernels."""
+    """Columns that reach the warp, block, cluster (Hopper) and uncached kernels, on the
+    16-byte grid and off it (shifted packs)."""
     edge = (max_dynamic_smem(spec()) - policy(op).smem_align) // smem_per_col(op, dtype, True)
     wide = 16 // ITEM[dtype]
-    cases = [1000, 5000, min(edge // wide * wide, 20000)]
+    cases = [1000, 1001, 5000, 5001, min(edge // wide * wide, 20000)]
     if spec().has_clusters:
-        cases.append((edge // wide + 1) * wide)
+        cases += [(edge // wide + 1) * wide, (edge // wide + 1) * wide + 1]
     return cases
 
 
