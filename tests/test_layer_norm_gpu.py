@@ -913,10 +913,13 @@ def test_max_active_clusters():
     n = occ.max_clusters(plan)
     assert n is not None and 0 < n <= spec().sms * occ(plan) // plan.cluster
     assert plan.grid == n * plan.cluster
-    # a forward cluster of 16-byte packs (its size compiled in) and of one-element packs (its
-    # size a launch attribute): the driver answers both
-    for cols, at_launch in ((262144, False), (262143, True)):
-        plan = plan_rowwise("layer_norm", 512, cols, "float32", spec(), occ)
+    # a forward cluster of 16-byte packs (its size compiled in: on the grid or shifted) and of
+    # one-element packs (arrays at other offsets: its size a launch attribute): the driver
+    # answers all three
+    for cols, shift_ok, at_launch in ((262144, True, False), (262143, True, False),
+                                      (262143, False, True)):
+        plan = plan_rowwise("layer_norm", 512, cols, "float32", spec(), occ, shift_ok=shift_ok)
+        assert plan.shifted is (cols % 2 == 1 and shift_ok), plan
         assert plan.variant is Variant.CLUSTER
         assert (plan.launch_cluster > 1) is at_launch, plan
         n = occ.max_clusters(plan)
