@@ -67,10 +67,13 @@ def check(op, host, dev, dtype, axis=-1, out=None):
     got = fn(*dev, axis=axis, out=poisoned)
     assert got is poisoned
     err = rel_err(got, ref)
-    assert err <= TOL[dtype], f"{op} {dtype} {dev[0].shape} axis={axis}: rel err {err:.3g}"
+    # a row's sums round like sqrt(n): TOL holds up to 2^18 values a row and grows beyond, as in
+    # the norms' check_forward (float32 over 921600 columns: 2.4e-6 in one seed of the H200's)
+    tol = TOL[dtype] * max(1.0, (dev[0].shape[axis] / 2**18) ** 0.5)
+    assert err <= tol, f"{op} {dtype} {dev[0].shape} axis={axis}: rel err {err:.3g}"
     fresh = fn(*dev, axis=axis)
     assert fresh.dtype == dev[0].dtype and fresh.shape == dev[0].shape
-    assert rel_err(fresh, ref) <= TOL[dtype]
+    assert rel_err(fresh, ref) <= tol
     again = fn(*dev, axis=axis)  # the cached fast path
     assert again.data.ptr != fresh.data.ptr
     assert bool(cp.array_equal(again, fresh, equal_nan=True))
