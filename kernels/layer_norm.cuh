@@ -158,7 +158,7 @@ struct AffineStore {
   template <int N> __device__ __forceinline__ void params(C* w, C* b, int col) const {
     if (weight()) {
       if constexpr (SHIFT) {
-        const Pack<T, N> q = shifted.gamma.raw(col);
+        const Pack<T, N> q = shifted.gamma.raw(col, !y.win.partial(col, N));
 #pragma unroll
         for (int i = 0; i < N; ++i) w[i] = pack_value(q, i);
       } else {
@@ -170,7 +170,7 @@ struct AffineStore {
     }
     if (bias()) {
       if constexpr (SHIFT) {
-        const Pack<T, N> q = shifted.beta.raw(col);
+        const Pack<T, N> q = shifted.beta.raw(col, !y.win.partial(col, N));
 #pragma unroll
         for (int i = 0; i < N; ++i) b[i] = pack_value(q, i);
       } else {
@@ -214,7 +214,7 @@ struct AffineStore {
     Params<N> p;
     if (weight()) {
       if constexpr (SHIFT) {
-        p.w = shifted.gamma.raw(col);
+        p.w = shifted.gamma.raw(col, !y.win.partial(col, N));
       } else {
         p.w = gamma.template raw<N>(0, col);
       }
@@ -224,7 +224,7 @@ struct AffineStore {
     }
     if (bias()) {
       if constexpr (SHIFT) {
-        p.b = shifted.beta.raw(col);
+        p.b = shifted.beta.raw(col, !y.win.partial(col, N));
       } else {
         p.b = beta.template raw<N>(0, col);
       }

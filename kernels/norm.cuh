@@ -84,10 +84,13 @@ __device__ __forceinline__ void load_param(const Load<P, C, false>& ld, C* dst, 
 
 // Rows off the 16-byte grid (SHIFT; memory.cuh's RowWindow) meet their parameters at another
 // offset: window column col of a row whose first element sits `lo` elements into its 16-byte
-// word takes parameter element col - lo. raw() reads the two 16-byte words those N elements span
-// (clamped to the parameter's own words: what would come from outside them belongs to no column
-// of the row, and is never stored) and shifts them in registers by a count the same for the
-// whole row: two selects a word, and a funnel shift for 2-byte elements.
+// word takes parameter element col - lo. raw() reads them: a pack whole in the row (`whole`) in
+// the 4-byte words they span (4, or 5 for 2-byte elements at an odd place; funnel shifts join
+// them), and the row's end packs in the two 16-byte words they span (clamped to the parameter's
+// own words: what would come from outside them belongs to no column of the row, and is never
+// stored), shifted in registers by two selects a word. (Every pack that way took layer norm
+// float16 48 registers and ~60% more instructions than on the grid: issue-bound at 45-73% of
+// copy, 2047-262143 columns, H200.)
 template <typename T> struct ShiftedParam {
   static constexpr int N = 16 / sizeof(T);
   const T* base;  // the parameter's first 16-byte word
@@ -102,8 +105,21 @@ template <typename T> struct ShiftedParam {
   __device__ __forceinline__ ShiftedParam at_row(int lo) const {
     return ShiftedParam{base, delta - lo, last};
   }
-  __device__ __forceinline__ Pack<T, N> raw(int col) const {
+  __device__ __forceinline__ Pack<T, N> raw(int col, bool whole) const {
     const int t = col + delta, a = t & -N;  // t: the first element wanted, from base
+    Pack<T, N> p;
+    if (whole) {  // t >= 0: every word read holds an element of the pack
+      const unsigned* q = reinterpret_cast<const unsigned*>(base) + t * sizeof(T) / 4;
+      if constexpr (sizeof(T) == 2) {
+        const int bits = (t & 1) * 16;
+        const unsigned w4 = bits ? q[4] : 0u;
+        p.word = make_uint4(__funnelshift_r(q[0], q[1], bits), __funnelshift_r(q[1], q[2], bits),
+                            __funnelshift_r(q[2], q[3], bits), __funnelshift_r(q[3], w4, bits));
+      } else {
+        p.word = make_uint4(q[0], q[1], q[2], q[3]);
+      }
+      return p;
+    }
     const uint4 lo = *reinterpret_cast<const uint4*>(base + min(max(a, 0), last));
     const uint4 hi = *reinterpret_cast<const uint4*>(base + min(a + N, last));
     const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -118,7 +134,6 @@ template <typename T> struct ShiftedParam {
     for (int k = 0; k < 4; ++k) {
       o[k] = sizeof(T) == 2 ? __funnelshift_r(v[k], v[k + 1], (bytes & 2) * 8) : v[k];
     }
-    Pack<T, N> p;
     p.word = make_uint4(o[0], o[1], o[2], o[3]);
     return p;
   }
