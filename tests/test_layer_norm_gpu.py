@@ -126,7 +126,10 @@ def variant_shapes(op, dtype, weight=False):
               # 16-byte packs: 9, 17 and 32 a row (the H200's two packs a lane, padded or not)
               ((5, 9 * wide), Variant.WARP), ((4, 17 * wide), Variant.WARP),
               ((3, 32 * wide), Variant.WARP),
-              ((3, 1023), Variant.WARP), ((4, 1024), Variant.WARP),
+              # a forward row of 1023 in 16-byte shifted packs spans more than the warp kernel
+              # holds (OpPolicy.shifted_past_warp): the block kernel
+              ((3, 1023), Variant.BLOCK_SMEM if policy(op).shifted_past_warp and wide > 2
+               else Variant.WARP), ((4, 1024), Variant.WARP),
               ((3, 1025), Variant.BLOCK_SMEM), ((6, 4096), Variant.BLOCK_SMEM),
               ((3, edge // wide * wide), at_edge)]
     # a forward row of edge - 1 off the 16-byte grid is sized for the packs it may span

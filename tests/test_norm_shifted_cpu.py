@@ -59,9 +59,18 @@ def test_rows_off_the_grid_take_shifted_packs(op, cols, dtype, variant, pack, de
 @pytest.mark.parametrize("op", FWD)
 def test_what_keeps_narrow_packs(op):
     dev = DeviceSpec.h100()
-    # rows on the grid, short rows, warp rows that shifted packs would leave half empty
-    for cols in (1024, 4096, 31, 33, 127, 511):
+    # rows on the grid, short rows, warp rows that shifted packs would hold in fewer than 32
+    # values a lane
+    for cols in (1024, 4096, 31, 33, 127, 255):
         assert not plan_rowwise(op, 4096, cols, "float16", dev).shifted, cols
+    # shifted warp rows of 32 values a lane, half of them empty (RMS norm); past the warp, a
+    # block
+    p = plan_rowwise(op, 4096, 511, "float16", dev)
+    assert p.variant is Variant.WARP and p.shifted is (op == "rms_norm"), p
+    if p.shifted:
+        assert (p.cols_per_thread, p.thread_group_width) == (32, 32), p
+    p = plan_rowwise(op, 4096, 1023, "float16", dev)
+    assert (p.variant, p.shifted, p.pack_size) == (Variant.BLOCK_SMEM, True, 8), p
     # past what a cluster caches: the uncached kernel, in the narrow packs it has
     p = plan_rowwise(op, 4, 2**21 + 1, "float16", dev)
     assert p.variant is Variant.BLOCK_UNCACHED and not p.shifted and p.pack_size == 1, p

@@ -30,8 +30,12 @@ def off_grid_shapes(op, dtype):
     edge = (max_dynamic_smem(dev) - policy(op).smem_align) // per_col
     wide = 16 // lng.ITEM[dtype]
     shapes = [((5, 769), Variant.WARP), ((7, 1001), Variant.WARP), ((3, 1017), Variant.WARP),
+              # warp rows whose packs would span more than the warp holds: a block
+              ((6, 1023), Variant.BLOCK_SMEM if wide > 2 else Variant.WARP),
               ((3, 1031), Variant.BLOCK_SMEM), ((4, 4099), Variant.BLOCK_SMEM),
               ((3, edge // 2 + 1), Variant.BLOCK_SMEM)]
+    if wide > 2 and policy(op).shifted_half_warps:  # 32 values a lane, half of them empty
+        shapes.append(((9, 511), Variant.WARP))
     if dev.has_clusters:
         tail = cluster_tail(op, dtype, 1024)
         slice_edge = (max_dynamic_smem(dev) - policy(op).smem_align - tail) // per_col

@@ -126,7 +126,7 @@ _FORWARD = dict(_NORM, source=FORWARD, kernel="layer_norm", inputs=1,
                 switches=("weight", "bias", "residual"), overlap_with_residual=True,
                 split_lone_blocks=True, two_packs_a_lane=True, one_wave_cluster=16,
                 cluster_at_launch_below=16, tail_scratch_words=1, shifted_rows=True,
-                shifted_uncached=False, shifted_pairs=False)
+                shifted_uncached=False, shifted_pairs=False, shifted_past_warp=True)
 _BACKWARD = dict(_NORM, source=BACKWARD, kernel="layer_norm_grad", inputs=2, smem_align=128,
                  switches=("weight",), switch_sets=(Switches(), Switches(weight=True)))
 
@@ -135,7 +135,8 @@ POLICIES = {
                            oneflow_width_dtypes=("float32",),
                            **_FORWARD, switch_sets=tuple(
         Switches(w, b, r) for w, b, r in itertools.product(_TF, _TF, _TF))),
-    "rms_norm": OpPolicy(op="rms_norm", algo=1, tail_merge_words=1, **_FORWARD, switch_sets=tuple(
+    "rms_norm": OpPolicy(op="rms_norm", algo=1, tail_merge_words=1, shifted_half_warps=True,
+                         **_FORWARD, switch_sets=tuple(
         Switches(w, False, r) for w, r in itertools.product(_TF, _TF))),
     "layer_norm_backward": OpPolicy(op="layer_norm_backward", algo=0, col_sums=2, **_BACKWARD),
     "rms_norm_backward": OpPolicy(op="rms_norm_backward", algo=1, col_sums=1, **_BACKWARD),

@@ -444,6 +444,13 @@ class OpPolicy:
     # packs), and in clusters of two rows a pass (else one)
     shifted_uncached: bool = True
     shifted_pairs: bool = True
+    # warp rows whose shifted packs would span more than the warp kernel holds take them in the
+    # block kernel (H200, norms at 1023 columns: 16-62% of copy in 1-value warp packs, 35-95%)
+    shifted_past_warp: bool = False
+    # warp rows take shifted packs wherever those fill 32 values a lane, not only where they need
+    # no more slots than narrow packs (H200, 511 columns: RMS norm 30-57% -> 52-74%; layer norm
+    # without a residual 36-56% -> 16-30%, so not for it)
+    shifted_half_warps: bool = False
     # the family's signature: plan -> C++ name expression
     signature: Callable = field(default=None, repr=False, compare=False)
     # switch combinations this op's kernels were built for: the default first

@@ -68,7 +68,19 @@ def _shifted(pol: OpPolicy, dtype: str, cols: int, pack: int, strided: bool, shi
             and cols >= SHIFT_MIN_PACKS * full and not sw.float32_params):
         return False
     warp_max = tune.warp_max_cols_with_sums if pol.col_sums and sw.weight else tune.warp_max_cols
-    return cols > warp_max or shifted_warp_fits(cols, pack, full, warp_max)
+    return cols > warp_max or _shifted_warp(pol, cols, pack, full, warp_max)
+
+
+def _shifted_warp(pol: OpPolicy, cols: int, pack: int, full: int, warp_max: int) -> bool:
+    """Whether a row the warp kernel holds in narrow packs takes shifted ones: in the warp
+    kernel (``shifted_warp_fits``, or ``OpPolicy.shifted_half_warps``), or past it in the
+    block kernel (``OpPolicy.shifted_past_warp``)."""
+    span = shifted_cols(cols, full)
+    if span > warp_max:
+        return pol.shifted_past_warp
+    if pol.shifted_half_warps and warp_shape(span, full, 1)[1] == 32:
+        return True
+    return shifted_warp_fits(cols, pack, full, warp_max)
 
 
 def shifted_warp_fits(cols: int, pack: int, full: int, warp_max: int) -> bool:
@@ -418,10 +430,11 @@ def reachable_plans(op, dtype: str, device: DeviceSpec) -> set[str]:
                  for t in arch_tunings(device)}
         widths = range(pack, tune.warp_max_cols + 1, pack)
         if shifted:  # the packs a row covers at most, as plan_rowwise sizes them
-            widths = sorted({shifted_cols(c, pack) for c in range(SHIFT_MIN_PACKS * pack,
-                                                                  tune.warp_max_cols + 1)
-                             if any(shifted_warp_fits(c, p, pack, tune.warp_max_cols)
-                                    for p in packs if p < pack)})
+            spans = {shifted_cols(c, pack) for c in range(SHIFT_MIN_PACKS * pack,
+                                                          tune.warp_max_cols + 1)
+                     if any(_shifted_warp(pol, c, p, pack, tune.warp_max_cols)
+                            for p in packs if p < pack)}
+            widths = sorted(c for c in spans if c <= tune.warp_max_cols)  # wider: blocks
         shapes = {warp_shape(cols, pack, rows, two_packs=n, four_packs=f)
                   for cols, rows, (n, f) in itertools.product(widths, (1, 2), lanes)}
         for width, cpt, rpa, padding in shapes:  # each distinct shape once
