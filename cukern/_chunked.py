@@ -74,8 +74,8 @@ def phase_rows(rows: int, m: int) -> int:
     """Rows a tile of whole rows of ``m`` elements takes on the GPU: a multiple of the rows
     after which a row's offset in its 16-byte word repeats (``16 / gcd(m, 16)``, for elements
     of any size), where at least that many fit, so every row sits at the offset it has in one
-    piece. The softmax kernels read rows off the 16-byte grid in 16-byte packs of memory
-    (``Plan.shifted``), and a row's sums follow its offset."""
+    piece. The softmax and forward norm kernels read rows off the 16-byte grid in 16-byte
+    packs of memory (``Plan.shifted``), and a row's sums follow its offset."""
     period = 16 // math.gcd(m, 16)
     return rows // period * period if rows >= period else rows
 
