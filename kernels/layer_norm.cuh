@@ -155,27 +155,26 @@ struct AffineStore {
   __device__ __forceinline__ bool bias() const {
     return B == kPresent || (B == kRuntime && beta.ptr != nullptr);
   }
+  // N values of gamma (GAMMA) or beta from column col, converted (SHIFT: shifted to the row)
+  template <int N, bool GAMMA> __device__ __forceinline__ void param(C* dst, int col) const {
+    if constexpr (SHIFT) {
+      const Pack<T, N> q =
+          (GAMMA ? shifted.gamma : shifted.beta).raw(col, !y.win.partial(col, N));
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[i] = pack_value(q, i);
+    } else {
+      load_param<N>(GAMMA ? gamma : beta, dst, col);
+    }
+  }
   template <int N> __device__ __forceinline__ void params(C* w, C* b, int col) const {
     if (weight()) {
-      if constexpr (SHIFT) {
-        const Pack<T, N> q = shifted.gamma.raw(col, !y.win.partial(col, N));
-#pragma unroll
-        for (int i = 0; i < N; ++i) w[i] = pack_value(q, i);
-      } else {
-        load_param<N>(gamma, w, col);
-      }
+      param<N, true>(w, col);
     } else if (W == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = C(1);
     }
     if (bias()) {
-      if constexpr (SHIFT) {
-        const Pack<T, N> q = shifted.beta.raw(col, !y.win.partial(col, N));
-#pragma unroll
-        for (int i = 0; i < N; ++i) b[i] = pack_value(q, i);
-      } else {
-        load_param<N>(beta, b, col);
-      }
+      param<N, false>(b, col);
     } else if (B == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = C(0);
