@@ -150,11 +150,18 @@ struct AffineStore {
   __device__ __forceinline__ bool bias() const {
     return B == kPresent || (B == kRuntime && beta.ptr != nullptr);
   }
-  // N values of gamma (GAMMA) or beta from column col, converted (SHIFT: shifted to the row)
+  // N values of gamma (GAMMA) or beta from column col as stored (SHIFT: shifted to the row)
+  template <int N, bool GAMMA> __device__ __forceinline__ Pack<T, N> raw_param(int col) const {
+    if constexpr (SHIFT) {
+      return (GAMMA ? shifted.gamma : shifted.beta).raw(col, !y.win.partial(col, N));
+    } else {
+      return (GAMMA ? gamma : beta).template raw<N>(0, col);
+    }
+  }
+  // ... converted (any P: load_param)
   template <int N, bool GAMMA> __device__ __forceinline__ void param(C* dst, int col) const {
     if constexpr (SHIFT) {
-      const Pack<T, N> q =
-          (GAMMA ? shifted.gamma : shifted.beta).raw(col, !y.win.partial(col, N));
+      const Pack<T, N> q = raw_param<N, GAMMA>(col);
 #pragma unroll
       for (int i = 0; i < N; ++i) dst[i] = pack_value(q, i);
     } else {
@@ -207,21 +214,13 @@ struct AffineStore {
   template <int N> __device__ __forceinline__ Params<N> fetch(int col) const {
     Params<N> p;
     if (weight()) {
-      if constexpr (SHIFT) {
-        p.w = shifted.gamma.raw(col, !y.win.partial(col, N));
-      } else {
-        p.w = gamma.template raw<N>(0, col);
-      }
+      p.w = raw_param<N, true>(col);
     } else if (W == kRuntime) {
 #pragma unroll
       for (int i = 0; i < N; ++i) p.w.elem[i] = storage_one<T>();
     }
     if (bias()) {
-      if constexpr (SHIFT) {
-        p.b = shifted.beta.raw(col, !y.win.partial(col, N));
-      } else {
-        p.b = beta.template raw<N>(0, col);
-      }
+      p.b = raw_param<N, false>(col);
     } else if (B == kRuntime) {
       p.b.word = typename Pack<T, N>::word_t{};  // +0 in every storage type
     }
