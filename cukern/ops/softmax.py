@@ -183,7 +183,7 @@ def _launch(op: str, dtype: str, axis: int, arrays: list, o) -> c.Launch | None:
     dev = arrays[0].data.device_id
     # each pointer's offset in its 16-byte word: the alignment, and whether the rows share it
     key = (op, dev, axis, dtype, arrays[0].shape, tuple(a.strides for a in arrays), o.strides,
-           tuple(a.data.ptr & 15 for a in arrays), o.data.ptr & 15)
+           c.pointer_offsets((*arrays, o)))
     launch = _launches.get(key)
     if launch is None:
         layouts = [c.layout(a, axis) for a in arrays]
